@@ -1,0 +1,25 @@
+"""commlib: MPI-native collective communication for distributed deep learning.
+
+Launch with ``mpiexec -n N python train.py``. The functional API follows
+``torch.distributed``: collectives take numpy arrays, torch tensors (CPU or CUDA) and cupy
+arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Work` handle.
+"""
+from .errors import CommError
+from .options import Options, options
+from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, barrier,
+                         block_offsets, block_sizes, broadcast, new_group, recv, reduce,
+                         reduce_scatter, send, world)
+from .reduce_ops import ReduceOp
+from .runtime import (get_local_rank, get_local_size, get_rank, get_world_size, init,
+                      is_initialized)
+from .stats import stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommError", "Group", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "allreduce", "alltoall", "barrier", "block_offsets", "block_sizes", "broadcast",
+    "get_local_rank", "get_local_size", "get_rank", "get_world_size", "init",
+    "is_initialized", "new_group", "options", "recv", "reduce", "reduce_scatter", "send",
+    "stats", "world",
+]

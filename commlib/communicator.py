@@ -1,0 +1,138 @@
+"""The communicator layer: one MPI communicator plus what every collective needs around it.
+
+A :class:`Communicator` owns an ``MPI.Comm`` and adds sequence numbers, the watchdog
+deadline of blocking calls, checking mode (every rank agrees on the call before it is
+made), and the node topology used by hierarchical collectives. It knows nothing of any
+particular collective: primitives call :meth:`Communicator.verify`, :meth:`arm` and
+:meth:`disarm` around their MPI calls.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from .errors import CommError, where
+from .options import options
+from .watchdog import Watchdog
+
+
+class Pending:
+    """What a blocking call is waiting for; formatted only if the watchdog fires."""
+
+    __slots__ = ("op", "seq", "what", "comm")
+
+    def __init__(self, op: str, seq: int, what: Any, comm: "Communicator") -> None:
+        self.op, self.seq, self.what, self.comm = op, seq, what, comm
+
+    def __str__(self) -> str:
+        what = self.what.describe() if hasattr(self.what, "describe") else str(self.what)
+        return (f"{self.op} #{self.seq} with {what} on {self.comm.describe()} "
+                f"(rank {self.comm.rank} of {self.comm.size})")
+
+
+class Communicator:
+    """An MPI communicator with commlib's bookkeeping. ``rank``/``size`` are within it."""
+
+    def __init__(self, mpi_comm: Any, watchdog: Watchdog, name: str,
+                 world_ranks: tuple[int, ...] | None = None) -> None:
+        self.mpi = mpi_comm
+        self.watchdog = watchdog
+        self.name = name
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        if world_ranks is None:
+            world_ranks = tuple(mpi_comm.allgather(MPI.COMM_WORLD.Get_rank()))
+        self.world_ranks = world_ranks
+        self.seq = 0
+        self._check_comm: Any = None
+        self._node: tuple[Communicator, Communicator | None] | None = None
+
+    # -- bookkeeping around blocking calls -------------------------------------------------
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def arm(self, op: str, what: Any) -> None:
+        """Start the deadline of a blocking call (see :mod:`commlib.watchdog`)."""
+        self.watchdog.arm(Pending(op, self.seq, what, self))
+
+    def disarm(self) -> None:
+        self.watchdog.disarm()
+
+    def describe(self) -> str:
+        ranks = self.world_ranks
+        if len(ranks) > 8:
+            span = f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}]"
+        else:
+            span = list(ranks)
+        return f"group {self.name!r} (world ranks {span})"
+
+    def check_rank(self, value: Any, name: str, op: str) -> int:
+        """Validate a rank argument (``src``, ``dst``, ...) within this communicator."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where(op, self.rank)}: argument {name!r} must be an int rank, "
+                            f"got {type(value).__name__}")
+        if not 0 <= value < self.size:
+            raise ValueError(f"{where(op, self.rank)}: argument {name!r}={value} is out of "
+                             f"range; {self.describe()} has ranks 0..{self.size - 1}")
+        return value
+
+    # -- checking mode ---------------------------------------------------------------------
+    @property
+    def checking(self) -> bool:
+        return options.check
+
+    def verify(self, op: str, signature: dict[str, Any]) -> None:
+        """Collective: every rank must pass the same ``op`` and ``signature``.
+
+        On disagreement every rank raises the same :class:`CommError`, naming the ranks and
+        what each passed; the MPI call is then never made, so nothing hangs or truncates.
+        """
+        if self._check_comm is None:
+            self._check_comm = self.mpi.Dup()
+        mine = (op, tuple(sorted(signature.items())))
+        self.arm("checking " + op, signature)
+        try:
+            calls = self._check_comm.allgather(mine)
+        finally:
+            self.disarm()
+        if all(c == calls[0] for c in calls):
+            return
+        groups: dict[Any, list[int]] = {}
+        for r, c in enumerate(calls):
+            groups.setdefault(c, []).append(r)
+        lines = [f"ranks {rs} called {c[0]}({', '.join(f'{k}={v}' for k, v in c[1])})"
+                 for c, rs in groups.items()]
+        raise CommError(f"{where(op, self.rank)}: ranks of {self.describe()} disagree about "
+                        f"collective #{self.seq}: " + "; ".join(lines))
+
+    # -- topology --------------------------------------------------------------------------
+    def node(self) -> tuple["Communicator", "Communicator | None"]:
+        """(ranks on my node, node leaders or None if I lead no node). Collective on first
+        use. Nodes are shared-memory domains, or blocks of ``COMMLIB_LOCAL_SIZE``
+        consecutive ranks when that option is set."""
+        if self._node is None:
+            k = options.local_size
+            if k is not None:
+                local = self.mpi.Split(color=self.rank // k, key=self.rank)
+            else:
+                local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            is_leader = local.Get_rank() == 0
+            leaders = self.mpi.Split(color=0 if is_leader else MPI.UNDEFINED, key=self.rank)
+            local_c = Communicator(local, self.watchdog, f"{self.name}/node")
+            lead_c = (Communicator(leaders, self.watchdog, f"{self.name}/leaders")
+                      if is_leader else None)
+            self._node = (local_c, lead_c)
+        return self._node
+
+    def split(self, member: bool, key: int, name: str) -> "Communicator | None":
+        """Collective over this communicator: members form a new one, ordered by ``key``."""
+        sub = self.mpi.Split(color=0 if member else MPI.UNDEFINED, key=key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return Communicator(sub, self.watchdog, name)
+
+    def dup(self, name: str) -> "Communicator":
+        """Collective: a communicator over the same ranks with its own message space."""
+        return Communicator(self.mpi.Dup(), self.watchdog, name, self.world_ranks)

@@ -1,0 +1,16 @@
+"""Exceptions raised by commlib.
+
+Every error names the argument (or collective), the rank that raised it and what was
+expected, so that a message read from one rank's log is enough to find the fault.
+"""
+from __future__ import annotations
+
+
+class CommError(RuntimeError):
+    """A communication-level fault: ranks disagree about a collective, a peer sent
+    something unexpected, or a group is used by a rank that is not in it."""
+
+
+def where(op: str, rank: int) -> str:
+    """Prefix for error messages: which collective on which rank."""
+    return f"commlib.{op} (rank {rank})"

@@ -1,0 +1,136 @@
+"""Runtime options: one object, read from ``COMMLIB_*`` environment variables at import
+and settable before or at :func:`commlib.init`.
+
+Like ``mpi4py.rc``, the object rejects unknown names, so a typo fails loudly instead of
+being silently ignored. Unknown ``COMMLIB_*`` environment variables produce a warning.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def _parse_positive_float(text: Any) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _parse_local_size(text: Any) -> int | None:
+    if text is None or (isinstance(text, str) and text.strip() == ""):
+        return None
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected a positive number of ranks per node, got {text!r}")
+    return value
+
+
+def _parse_tristate(text: Any) -> str:
+    if isinstance(text, bool):
+        return "1" if text else "0"
+    low = str(text).strip().lower()
+    if low in ("auto", ""):
+        return "auto"
+    return "1" if _parse_bool(low) else "0"
+
+
+def _as_bool(value: Any) -> bool:
+    return _parse_bool(value) if isinstance(value, str) else bool(value)
+
+
+# name -> (parser, default, environment variable, documentation)
+_FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
+    "check": (_as_bool, False, "COMMLIB_CHECK",
+              "verify before each collective that all ranks call the same operation with the "
+              "same shape, dtype and reduce op"),
+    "timeout": (_parse_positive_float, 1800.0, "COMMLIB_TIMEOUT",
+                "seconds a blocking collective may wait before the job is aborted"),
+    "local_size": (_parse_local_size, None, "COMMLIB_LOCAL_SIZE",
+                   "simulate nodes of this many consecutive ranks (hierarchical paths on one "
+                   "machine); unset means the real shared-memory topology"),
+    "cuda_aware": (_parse_tristate, "auto", "COMMLIB_CUDA_AWARE",
+                   "whether GPU buffers go straight to MPI: auto (ask the MPI library), 1 or 0"),
+    "abort_on_exception": (_as_bool, True, "COMMLIB_ABORT_ON_EXCEPTION",
+                           "an uncaught exception on one rank aborts the whole job "
+                           "(only when running with more than one rank)"),
+    "force_staging": (_as_bool, False, "COMMLIB_FORCE_STAGING",
+                      "route CPU torch tensors through the host staging path used for GPU "
+                      "buffers on MPI libraries that are not CUDA-aware (for testing)"),
+}
+
+
+class Options:
+    """Process-wide commlib options; unknown names raise ``AttributeError``."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        object.__setattr__(self, "_values", {})
+        env = os.environ if environ is None else environ
+        for name, (parse, default, var, _) in _FIELDS.items():
+            raw = env.get(var)
+            if raw is None:
+                self._values[name] = default
+                continue
+            try:
+                self._values[name] = parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"environment variable {var}={raw!r}: {exc}") from None
+        known = {f[2] for f in _FIELDS.values()} | {"COMMLIB_TEST_MODE"}
+        for var in env:
+            if var.startswith("COMMLIB_") and var not in known:
+                warnings.warn(f"unknown environment variable {var}; commlib reads "
+                              f"{', '.join(sorted(known))}", stacklevel=2)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        raise AttributeError(self._unknown(name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _FIELDS:
+            raise AttributeError(self._unknown(name))
+        parse = _FIELDS[name][0]
+        try:
+            self._values[name] = parse(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"commlib option {name!r}: {exc}") from None
+
+    def update(self, **values: Any) -> None:
+        """Set several options; ``None`` values are skipped (keep the current setting)."""
+        for name, value in values.items():
+            if name not in _FIELDS:
+                raise TypeError(self._unknown(name))
+            if value is not None:
+                setattr(self, name, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    @staticmethod
+    def describe() -> dict[str, str]:
+        """Each option's environment variable and meaning."""
+        return {name: f"{f[2]}: {f[3]} (default {f[1]!r})" for name, f in _FIELDS.items()}
+
+    @staticmethod
+    def _unknown(name: str) -> str:
+        return f"unknown commlib option {name!r}; known options: {', '.join(_FIELDS)}"
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        return f"commlib.Options({inner})"
+
+
+options = Options()

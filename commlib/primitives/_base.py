@@ -1,0 +1,70 @@
+"""What every primitive shares: resolving the group, blocking calls under the watchdog,
+and finishing reductions (AVG division, copy-back of staged or non-contiguous buffers)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import runtime
+from ..buffers import Buf
+from ..communicator import Communicator
+from ..dtypes import bf16_to_f32, f32_to_bf16
+from ..errors import CommError, where
+from ..reduce_ops import ReduceOp
+
+
+def resolve(group: Any, op: str) -> Communicator:
+    """The communicator behind ``group`` (``None`` is the world)."""
+    if group is None:
+        return runtime._world if runtime._world is not None else runtime.world()
+    comm = getattr(group, "comm", group)
+    if isinstance(comm, Communicator):
+        return comm
+    if comm is None and hasattr(group, "ranks"):
+        raise CommError(f"{where(op, runtime.get_rank())}: this rank is not a member of "
+                        f"group with world ranks {list(group.ranks)}")
+    raise TypeError(f"{where(op, runtime.get_rank())}: argument 'group' must be a "
+                    f"commlib group or None, got {type(group).__name__}")
+
+
+def blocking(comm: Communicator, op: str, what: Any, fn: Callable, *args: Any) -> Any:
+    """Call a blocking MPI function under the watchdog deadline."""
+    comm.arm(op, what)
+    try:
+        return fn(*args)
+    finally:
+        comm.disarm()
+
+
+def divide(buf: Buf, n: int) -> None:
+    """In-place division by ``n`` (the AVG of a SUM), on host memory or on the device."""
+    mem = buf.mem
+    if isinstance(mem, np.ndarray):
+        if buf.dt.name == "bfloat16":
+            mem[...] = f32_to_bf16(bf16_to_f32(mem) / np.float32(n))
+        else:
+            np.divide(mem, n, out=mem, casting="unsafe")
+    elif buf.kind == "torch":
+        buf.obj.div_(n)
+    else:
+        buf.obj /= n
+
+
+def finish_reduce(buf: Buf, op: ReduceOp, n: int) -> None:
+    """Complete an in-place reduction result: AVG division and copy-back, in that order."""
+    on_host = isinstance(buf.mem, np.ndarray)
+    if op is ReduceOp.AVG and on_host:
+        divide(buf, n)
+    buf.finish()
+    if op is ReduceOp.AVG and not on_host:
+        divide(buf, n)
+
+
+def after(request: Any, *bufs: Buf, result: Any = None) -> Any:
+    """Stages of a one-request operation: wait for ``request``, finish ``bufs`` (copy-back,
+    staging release), then return ``result()`` if callable, else ``result``."""
+    yield request
+    for buf in bufs:
+        buf.finish()
+    return result() if callable(result) else result

@@ -1,0 +1,127 @@
+"""Groups: sub-communicators with the collectives as methods.
+
+``commlib.new_group(ranks)`` is collective over its parent (every rank of the parent calls
+it with the same ``ranks``, as in ``torch.distributed.new_group``); ranks outside ``ranks``
+get a group object whose collectives raise :class:`CommError`. Ranks passed to the
+collectives of a group (``src``, ``dst``) are ranks *within* the group: group rank ``i`` is
+world rank ``group.ranks[i]``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .. import runtime
+from ..communicator import Communicator
+from ..errors import where
+from ..reduce_ops import ReduceOp
+from .allgather import allgather, allgather_v
+from .allreduce import allreduce
+from .alltoall import alltoall
+from .barrier import barrier
+from .broadcast import broadcast
+from .p2p import recv, send
+from .reduce import reduce
+from .reduce_scatter import reduce_scatter
+
+
+class Group:
+    """A set of ranks with its own communicator. ``rank`` is -1 on non-members."""
+
+    def __init__(self, comm: Communicator | None, ranks: Sequence[int],
+                 hierarchical: bool = False) -> None:
+        self.comm = comm
+        self.ranks = tuple(ranks)
+        self.hierarchical = bool(hierarchical)
+
+    @property
+    def is_member(self) -> bool:
+        return self.comm is not None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank if self.comm is not None else -1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def allreduce(self, tensor: Any, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
+                  hierarchical: bool | None = None) -> Any:
+        return allreduce(tensor, op, self, async_op, hierarchical)
+
+    def reduce(self, tensor: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM,
+               async_op: bool = False) -> Any:
+        return reduce(tensor, dst, op, self, async_op)
+
+    def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False) -> Any:
+        return broadcast(tensor, src, self, async_op)
+
+    def allgather(self, tensor: Any, async_op: bool = False) -> Any:
+        return allgather(tensor, self, async_op)
+
+    def allgather_v(self, tensor: Any, async_op: bool = False) -> Any:
+        return allgather_v(tensor, self, async_op)
+
+    def reduce_scatter(self, tensor: Any, op: ReduceOp = ReduceOp.SUM,
+                       async_op: bool = False) -> Any:
+        return reduce_scatter(tensor, op, self, async_op)
+
+    def alltoall(self, tensor: Any, async_op: bool = False) -> Any:
+        return alltoall(tensor, self, async_op)
+
+    def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Any:
+        return send(tensor, dst, tag, self, async_op)
+
+    def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Any:
+        return recv(tensor, src, tag, self, async_op)
+
+    def barrier(self, async_op: bool = False) -> Any:
+        return barrier(self, async_op)
+
+    def __repr__(self) -> str:
+        return (f"<commlib.Group ranks={list(self.ranks)} rank={self.rank}"
+                f"{' hierarchical' if self.hierarchical else ''}>")
+
+
+_world_group: Group | None = None
+
+
+def world(hierarchical: bool = False) -> Group:
+    """The group of all ranks (``hierarchical=True``: a view whose allreduce defaults to the
+    hierarchical algorithm)."""
+    global _world_group
+    comm = runtime.world()
+    if hierarchical:
+        return Group(comm, comm.world_ranks, hierarchical=True)
+    if _world_group is None or _world_group.comm is not comm:
+        _world_group = Group(comm, comm.world_ranks)
+    return _world_group
+
+
+def new_group(ranks: Sequence[int] | None = None, hierarchical: bool = False,
+              parent: Group | None = None) -> Group:
+    """Collective over ``parent`` (default: the world): a group of the given world ranks,
+    in the given order (group rank ``i`` is world rank ``ranks[i]``). ``None`` means all
+    ranks of the parent. Duplicates and ranks outside the parent raise ``ValueError``."""
+    parent_comm = (parent or world()).comm
+    if parent_comm is None:
+        raise ValueError(f"{where('new_group', runtime.get_rank())}: this rank is not a member "
+                         f"of the parent group")
+    rank = parent_comm.rank
+    if ranks is None:
+        ranks = parent_comm.world_ranks
+    ranks = [int(r) for r in ranks]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{where('new_group', rank)}: argument 'ranks' has duplicates: {ranks}")
+    outside = [r for r in ranks if r not in parent_comm.world_ranks]
+    if outside or not ranks:
+        raise ValueError(f"{where('new_group', rank)}: argument 'ranks' must be a non-empty list "
+                         f"of world ranks of the parent {list(parent_comm.world_ranks)}; "
+                         f"not members: {outside}")
+    me = parent_comm.world_ranks[rank]
+    member = me in ranks
+    key = ranks.index(me) if member else 0
+    comm = parent_comm.split(member, key, f"group{ranks}")
+    if comm is not None:
+        comm.world_ranks = tuple(ranks)
+    return Group(comm, ranks, hierarchical)

@@ -1,0 +1,80 @@
+"""Point-to-point: send and recv between two ranks of a group."""
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from .. import stats
+from ..buffers import Buf, adapt
+from ..communicator import Communicator
+from ..errors import CommError, where
+from ._base import after, blocking, resolve
+from .work import Work
+
+
+def _check_tag(tag: Any, op: str, rank: int) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"{where(op, rank)}: argument 'tag' must be an int, "
+                        f"got {type(tag).__name__}")
+    upper = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    if not 0 <= tag <= upper:
+        raise ValueError(f"{where(op, rank)}: argument 'tag'={tag} must be in 0..{upper} "
+                         f"(MPI_TAG_UB)")
+    return tag
+
+
+def send(tensor: Any, dst: int, tag: int = 0, group: Any = None,
+         async_op: bool = False) -> Any:
+    """Send ``tensor`` to rank ``dst`` of ``group``; the matching :func:`recv` on ``dst``
+    names this rank as ``src`` and the same ``tag``. The buffer is only read; with
+    ``async_op=True`` it must not be modified until the :class:`Work` completes."""
+    comm = resolve(group, "send")
+    rank = comm.rank
+    dst = comm.check_rank(dst, "dst", "send")
+    tag = _check_tag(tag, "send", rank)
+    buf = adapt(tensor, "tensor", "send", rank)
+    stats.record("send", buf.nbytes, comm.size)
+    if async_op:
+        return Work(comm, "send", buf, after(comm.mpi.Isend(buf.msg(), dst, tag), buf))
+    blocking(comm, "send", buf, comm.mpi.Send, buf.msg(), dst, tag)
+    buf.finish()
+    return None
+
+
+def recv(tensor: Any, src: int, tag: int = 0, group: Any = None,
+         async_op: bool = False) -> Any:
+    """Receive into ``tensor`` (in place) a message from rank ``src`` of ``group``.
+
+    The message must have exactly ``tensor``'s number of elements and dtype: a longer one
+    raises (MPI's truncation error), a shorter one raises :class:`CommError` instead of
+    leaving part of the buffer stale. Returns ``tensor`` (or a :class:`Work`).
+    """
+    comm = resolve(group, "recv")
+    rank = comm.rank
+    src = comm.check_rank(src, "src", "recv")
+    tag = _check_tag(tag, "recv", rank)
+    buf = adapt(tensor, "tensor", "recv", rank, write=True, read=False)
+    stats.record("recv", buf.nbytes, comm.size)
+    status = MPI.Status()
+    if async_op:
+        request = comm.mpi.Irecv(buf.msg(), src, tag)
+        return Work(comm, "recv", buf, _recv_stages(request, comm, buf, src, tensor))
+    blocking(comm, "recv", buf, comm.mpi.Recv, buf.msg(), src, tag, status)
+    _check_count(status, comm, buf, src)
+    buf.finish()
+    return tensor
+
+
+def _recv_stages(request: Any, comm: Communicator, buf: Buf, src: int, tensor: Any) -> Any:
+    status = yield request
+    _check_count(status, comm, buf, src)
+    buf.finish()
+    return tensor
+
+
+def _check_count(status: Any, comm: Communicator, buf: Buf, src: int) -> None:
+    got = status.Get_count(buf.dt.mpi)
+    if got != buf.count:
+        raise CommError(f"{where('recv', comm.rank)}: rank {src} sent {got} elements of "
+                        f"{buf.dt.name}, but the receive buffer holds {buf.count}")

@@ -1,0 +1,84 @@
+"""Handles of asynchronous operations."""
+from __future__ import annotations
+
+from typing import Any, Generator
+
+from mpi4py import MPI
+
+from ..communicator import Communicator
+
+# A stage generator yields MPI requests one after the other (a chain such as the three
+# steps of a hierarchical allreduce) and returns the operation's result. Each ``yield``
+# evaluates to the ``MPI.Status`` of the request it yielded, once that request completed.
+Stages = Generator[Any, None, Any]
+
+
+class Work:
+    """Returned by every collective called with ``async_op=True``.
+
+    ``wait()`` blocks until the operation is complete (under the watchdog deadline, like a
+    blocking call) and returns its result: the input tensor for in-place collectives, the
+    new tensor (or list) for the others. ``is_completed()`` never blocks; it also drives
+    multi-stage operations forward. Results in the caller's buffer are only guaranteed after
+    ``wait()`` or a ``True`` from ``is_completed()``.
+    """
+
+    __slots__ = ("_comm", "_op", "_what", "_stages", "_req", "_done", "_result", "_status")
+
+    def __init__(self, comm: Communicator, op: str, what: Any, stages: Stages) -> None:
+        self._comm, self._op, self._what, self._stages = comm, op, what, stages
+        self._done = False
+        self._result: Any = None
+        self._status = MPI.Status()
+        try:
+            self._req = next(stages)
+        except StopIteration as stop:
+            self._req = None
+            self._done = True
+            self._result = stop.value
+
+    def _advance(self) -> None:
+        try:
+            self._req = self._stages.send(self._status)
+        except StopIteration as stop:
+            self._req = None
+            self._done = True
+            self._result = stop.value
+
+    def is_completed(self) -> bool:
+        """True once the operation has finished and its result is in place."""
+        while not self._done and self._req.Test(self._status):
+            self._advance()
+        return self._done
+
+    def wait(self) -> Any:
+        """Block until done; return the result (see the class docstring)."""
+        comm = self._comm
+        while not self._done:
+            comm.arm(self._op, self._what)
+            try:
+                self._req.Wait(self._status)
+            finally:
+                comm.disarm()
+            self._advance()
+        return self._result
+
+    def result(self) -> Any:
+        """The result of a completed operation (``wait()`` first)."""
+        if not self._done:
+            raise RuntimeError(f"commlib.{self._op}: result() before the operation completed; "
+                               f"call wait() first")
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<commlib.Work {self._op} {state}>"
+
+
+class Done(Work):
+    """An already completed operation (a collective over a single rank, for example)."""
+
+    def __init__(self, result: Any) -> None:  # noqa: D401  (no MPI request at all)
+        self._done = True
+        self._result = result
+        self._req = None

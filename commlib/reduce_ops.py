@@ -1,0 +1,104 @@
+"""Reduction operators and their MPI implementations.
+
+``AVG`` is a ``SUM`` on the wire followed by a division by the group size on the receiving
+ranks; it is defined for floating-point and complex buffers only (an integer average would
+silently truncate). For ``bool`` buffers ``SUM``/``MAX`` are logical OR and
+``MIN``/``PRODUCT`` logical AND. ``bfloat16`` (and ``float16`` where MPI has no native
+half type) are reduced by user-defined operations that combine each pair of operands in
+float32 and round the result back to 16 bits, so every intermediate is representable and
+the result matches a float32 reduction rounded per step.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .dtypes import DType, bf16_to_f32, f32_to_bf16
+from .errors import where
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}"
+
+
+def as_reduce_op(op: Any, opname: str, rank: int) -> ReduceOp:
+    """Accept a :class:`ReduceOp` or its name (any case); anything else is a ``ValueError``."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str) and op.upper() in ReduceOp.__members__:
+        return ReduceOp[op.upper()]
+    raise ValueError(f"{where(opname, rank)}: argument 'op' must be one of "
+                     f"{', '.join('ReduceOp.' + m for m in ReduceOp.__members__)}, got {op!r}")
+
+
+_NATIVE = {
+    ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
+}
+_LOGICAL = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+            ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND}
+_NUMPY = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
+          ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
+_user_ops: dict[tuple[str, ReduceOp], Any] = {}
+
+
+def mpi_op(op: ReduceOp, dt: DType, opname: str, rank: int) -> Any:
+    """The ``MPI.Op`` that implements ``op`` on elements of ``dt``; raises ``ValueError`` for
+    combinations without a meaning (AVG on integers or bool, MIN/MAX on complex)."""
+    kind = dt.kind
+    if op is ReduceOp.AVG and kind not in "fc":
+        raise ValueError(f"{where(opname, rank)}: ReduceOp.AVG needs a floating-point or complex "
+                         f"buffer, got {dt.name}; use ReduceOp.SUM and divide")
+    if kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise ValueError(f"{where(opname, rank)}: {op!r} is undefined for complex buffers "
+                         f"({dt.name})")
+    if kind == "b":
+        return _LOGICAL[op]
+    if dt.native_reduce:
+        return _NATIVE[op]
+    return _user_op(dt.name, op)
+
+
+def _user_op(name: str, op: ReduceOp) -> Any:
+    key = (name, op)
+    if key not in _user_ops:
+        _user_ops[key] = MPI.Op.Create(_half_combiner(name, _NUMPY[op]), commute=True)
+    return _user_ops[key]
+
+
+def _half_combiner(name: str, ufunc: Callable) -> Callable:
+    if name == "bfloat16":
+        widen, narrow = bf16_to_f32, f32_to_bf16
+    else:
+        def widen(words: np.ndarray) -> np.ndarray:
+            return words.view(np.float16).astype(np.float32)
+
+        def narrow(values: np.ndarray) -> np.ndarray:
+            return values.astype(np.float16).view(np.uint16)
+
+    def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        a = np.frombuffer(inbuf, dtype=np.uint16)
+        b = np.frombuffer(inoutbuf, dtype=np.uint16)
+        b[...] = narrow(ufunc(widen(a), widen(b)))
+
+    return combine
+
+
+def free_user_ops() -> None:
+    """Release user-defined ops (before MPI finalizes)."""
+    for mop in _user_ops.values():
+        try:
+            mop.Free()
+        except MPI.Exception:
+            pass
+    _user_ops.clear()

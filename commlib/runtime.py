@@ -1,0 +1,109 @@
+"""Process-wide state: the world communicator, the watchdog and the abort-on-exception hook."""
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+from mpi4py import MPI
+
+from .communicator import Communicator
+from .errors import CommError
+from .options import options
+from .watchdog import Watchdog, abort_job
+
+_world: Communicator | None = None
+_watchdog: Watchdog | None = None
+
+
+def _on_expiry(what: str) -> None:
+    abort_job(f"[commlib] rank {MPI.COMM_WORLD.Get_rank()}: {what} did not complete within "
+              f"{options.timeout:g} s (COMMLIB_TIMEOUT); a peer is missing, has failed or "
+              f"called a different collective. Aborting the job.")
+
+
+def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicator:
+    """Initialize commlib (idempotent) and return the world communicator.
+
+    ``comm`` is the ``mpi4py.MPI.Comm`` that commlib treats as its world (default
+    ``MPI.COMM_WORLD``; it is duplicated so commlib's messages never match the caller's).
+    ``check`` turns checking mode on or off; other keyword arguments set
+    :data:`commlib.options` (``timeout``, ``local_size``, ``cuda_aware``,
+    ``abort_on_exception``...), and unknown names raise ``TypeError``. A second call with a
+    different ``comm`` raises :class:`CommError`; options given on later calls still apply.
+    """
+    global _world, _watchdog
+    options.update(check=check, **opts)
+    if _world is not None:
+        if comm is not None and comm is not _world_source:
+            raise CommError("commlib.init: already initialized with another communicator")
+        _watchdog.timeout = options.timeout
+        return _world
+    source = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(source, MPI.Comm):
+        raise TypeError(f"commlib.init: argument 'comm' must be an mpi4py.MPI.Comm, "
+                        f"got {type(source).__name__}")
+    _watchdog = Watchdog(options.timeout, _on_expiry)
+    world_ranks = tuple(source.allgather(MPI.COMM_WORLD.Get_rank()))
+    _world = Communicator(source.Dup(), _watchdog, "world", world_ranks)
+    _set_world_source(source)
+    if options.abort_on_exception and MPI.COMM_WORLD.Get_size() > 1:
+        _install_excepthook()
+    return _world
+
+
+_world_source: Any = None
+
+
+def _set_world_source(source: Any) -> None:
+    global _world_source
+    _world_source = source
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def world() -> Communicator:
+    """The world communicator, initializing commlib on first use."""
+    return _world if _world is not None else init()
+
+
+def watchdog() -> Watchdog:
+    world()
+    return _watchdog
+
+
+def get_rank() -> int:
+    """This process's rank in the world communicator."""
+    return world().rank
+
+
+def get_world_size() -> int:
+    """Number of ranks in the world communicator."""
+    return world().size
+
+
+def get_local_rank() -> int:
+    """Rank within this node (shared-memory domain, or ``COMMLIB_LOCAL_SIZE`` block)."""
+    return world().node()[0].rank
+
+
+def get_local_size() -> int:
+    """Number of ranks on this node (see :func:`get_local_rank`)."""
+    return world().node()[0].size
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous(exc_type, exc, tb)
+            return
+        rank = MPI.COMM_WORLD.Get_rank()
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        abort_job(f"[commlib] rank {rank}: uncaught exception; aborting the job "
+                  f"(COMMLIB_ABORT_ON_EXCEPTION=0 disables this)\n{text}", exit_code=1)
+
+    sys.excepthook = hook

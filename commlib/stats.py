@@ -1,0 +1,91 @@
+"""Per-process byte counters of everything commlib hands to MPI.
+
+For each operation name: ``calls``; ``bytes``, the size of the send buffer this rank gave
+MPI; and ``bus_bytes``, what this rank puts on the wire under the bandwidth-optimal
+algorithm, with the factors of nccl-tests (n ranks in the group, B the buffer):
+
+=================  ==============================
+allreduce          2 (n - 1) / n * B
+reduce_scatter     (n - 1) / n * B (B the full input)
+alltoall           (n - 1) / n * B
+allgather(_v)      (n - 1) * B (B this rank's part)
+broadcast, reduce  B
+send, recv         B
+=================  ==============================
+
+Compressed and hierarchical collectives count the buffers they really hand to MPI, under
+the names of the MPI-level operations they are made of.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+_lock = threading.Lock()
+_counters: dict[str, list[int]] = {}
+
+
+def _allreduce(nbytes: int, n: int) -> int:
+    return 2 * (n - 1) * nbytes // n if n else 0
+
+
+def _scatter(nbytes: int, n: int) -> int:
+    return (n - 1) * nbytes // n if n else 0
+
+
+def _gather(nbytes: int, n: int) -> int:
+    return (n - 1) * nbytes
+
+
+def _whole(nbytes: int, n: int) -> int:
+    return nbytes if n > 1 else 0
+
+
+def _none(nbytes: int, n: int) -> int:
+    return 0
+
+
+BUS_FACTOR: dict[str, Callable[[int, int], int]] = {
+    "allreduce": _allreduce,
+    "reduce_scatter": _scatter,
+    "alltoall": _scatter,
+    "allgather": _gather,
+    "allgather_v": _gather,
+    "broadcast": _whole,
+    "reduce": _whole,
+    "send": _whole,
+    "recv": _none,
+    "barrier": _none,
+}
+
+
+def record(op: str, nbytes: int, group_size: int) -> None:
+    """Count one call of ``op`` that handed ``nbytes`` to MPI in a group of ``group_size``."""
+    bus = BUS_FACTOR[op](nbytes, group_size)
+    with _lock:
+        c = _counters.get(op)
+        if c is None:
+            _counters[op] = [1, nbytes, bus]
+        else:
+            c[0] += 1
+            c[1] += nbytes
+            c[2] += bus
+
+
+def stats(reset: bool = False) -> dict[str, dict[str, int]]:
+    """This rank's counters: ``{op: {"calls": int, "bytes": int, "bus_bytes": int}}``.
+
+    With ``reset=True`` the counters are cleared after they are read (atomically, so no call
+    is lost between the read and the reset). Counts are local to the calling rank.
+    """
+    with _lock:
+        out = {op: {"calls": c[0], "bytes": c[1], "bus_bytes": c[2]}
+               for op, c in _counters.items()}
+        if reset:
+            _counters.clear()
+    return out
+
+
+def total(snapshot: dict[str, dict[str, int]], field: str = "bus_bytes") -> int:
+    """Sum of one field over all operations of a :func:`stats` snapshot."""
+    return sum(v[field] for v in snapshot.values())
