@@ -1,0 +1,95 @@
+"""Deterministic per-rank data and numpy references for the collective tests.
+
+Every rank can compute every other rank's input, so the reference for a collective is a
+plain numpy computation on one rank, and assertions hold at any world size.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+NUMPY_DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+TORCH_DTYPES = NUMPY_DTYPES + ["bfloat16"]
+
+
+def big_numel(dtype: str) -> int:
+    """An element count whose buffer is larger than 1 MiB."""
+    itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+    return (1 << 20) // itemsize + 7
+
+
+SIZES = [0, 1, 7, "big"]
+
+
+def numel_of(size, dtype: str) -> int:
+    return big_numel(dtype) if size == "big" else size
+
+
+def rank_data(rank: int, numel: int, dtype: str, kind: str = "sum", seed: int = 0) -> np.ndarray:
+    """Rank ``rank``'s input as float64 values that every dtype represents exactly.
+
+    ``kind="sum"``: small integers, so sums over 4 ranks are exact even in bfloat16;
+    ``kind="product"``: values in {-2, -1, 1, 2}, so products stay exact.
+    """
+    rng = np.random.default_rng(seed * 1000 + rank * 7919 + numel)
+    if kind == "product":
+        return rng.choice(np.array([-2.0, -1.0, 1.0, 2.0]), size=numel)
+    return rng.integers(-8, 9, size=numel).astype(np.float64)
+
+
+def to_kind(values: np.ndarray, dtype: str, kind: str):
+    """Convert float64 values to a numpy array or a CPU torch tensor of ``dtype``."""
+    if kind == "numpy":
+        return values.astype(dtype)
+    import torch
+    return torch.tensor(values, dtype=getattr(torch, dtype))
+
+
+def to_numpy(obj) -> np.ndarray:
+    """float64 numpy copy of a numpy array or torch tensor (any dtype, bfloat16 included)."""
+    if isinstance(obj, np.ndarray):
+        return obj.astype(np.float64)
+    return obj.detach().to("cpu").double().numpy()
+
+
+def tolerance(dtype: str) -> float:
+    return {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6}.get(dtype, 1e-12)
+
+
+def clean_env(**extra: str) -> dict:
+    """Environment for a child ``mpiexec``: without this process's MPI/PMI variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_", "MPI_", "OMPI_"))}
+    env.update(extra)
+    return env
+
+
+def mpiexec() -> str:
+    """The ``mpiexec`` of this Python environment (the mpich wheel puts it next to python)."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else "mpiexec"
+
+
+def run_mpi(n: int, args: list[str], timeout: float, **env: str) -> tuple[int, float, str]:
+    """Run ``mpiexec -n n python args...`` with an outer timeout.
+
+    Returns (exit status, seconds, combined output); a run that outlives ``timeout`` is
+    killed with its whole process group and reported as status -9.
+    """
+    cmd = [mpiexec(), "-n", str(n), sys.executable] + args
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=clean_env(**env), start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        code = -9
+    return code, time.monotonic() - start, out
