@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Any, Callable
 
-ABORT_EXIT_CODE = 124
+# Distinct from timeout(1)'s 124, so a watchdog abort and an outer timeout read differently.
+ABORT_EXIT_CODE = 70
 
 
 class Watchdog:

@@ -1,0 +1,86 @@
+"""Sub-groups and hierarchical allreduce (simulated nodes with COMMLIB_LOCAL_SIZE)."""
+import numpy as np
+import pytest
+
+import commlib
+from commlib import ReduceOp
+from helpers import rank_data
+
+
+@pytest.mark.mpi
+def test_subgroup_of_even_ranks():
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    members = list(range(0, n, 2))[::-1]
+    group = commlib.new_group(members)
+    assert group.size == len(members)
+    x = np.array([float(rank), 1.0])
+    if rank in members:
+        assert group.rank == members.index(rank)
+        group.allreduce(x)
+        np.testing.assert_array_equal(x, [sum(members), len(members)])
+        out = group.allgather(np.array([rank]))
+        np.testing.assert_array_equal(out[:, 0], members)
+        b = np.array([float(rank)])
+        group.broadcast(b, src=0)
+        assert b[0] == members[0]
+    else:
+        assert not group.is_member and group.rank == -1
+        with pytest.raises(commlib.CommError, match="not a member"):
+            group.allreduce(x)
+    commlib.barrier()
+
+
+@pytest.mark.mpi
+def test_new_group_rejects_bad_ranks():
+    n = commlib.get_world_size()
+    with pytest.raises(ValueError, match="duplicates"):
+        commlib.new_group([0, 0])
+    with pytest.raises(ValueError, match="not members"):
+        commlib.new_group([n + 3])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("local_size", [1, 2, 3])
+@pytest.mark.parametrize("async_op", [False, True])
+def test_hierarchical_equals_flat(local_size, async_op, monkeypatch):
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    monkeypatch.setattr(commlib.options, "local_size", local_size)
+    group = commlib.new_group(hierarchical=True)
+    local, leaders = group.comm.node()
+    assert local.size == min(local_size, n - (rank // local_size) * local_size)
+    assert (leaders is not None) == (rank % local_size == 0)
+    for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+        xs = [rank_data(r, 1001, "float64", seed=11) for r in range(n)]
+        flat = xs[rank].copy()
+        hier = xs[rank].copy()
+        commlib.allreduce(flat, op=op)
+        work = group.allreduce(hier, op=op, async_op=async_op)
+        if async_op:
+            work.wait()
+        np.testing.assert_array_equal(hier, flat)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hierarchical_counts_component_collectives(monkeypatch):
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    monkeypatch.setattr(commlib.options, "local_size", 2)
+    group = commlib.new_group()
+    x = np.ones(256, dtype=np.float32)
+    commlib.stats(reset=True)
+    group.allreduce(x, hierarchical=True)
+    s = commlib.stats(reset=True)
+    np.testing.assert_array_equal(x, n)
+    local = min(2, n - (rank // 2) * 2)
+    if local > 1:
+        assert s["reduce"]["bytes"] == 1024 and s["broadcast"]["bytes"] == 1024
+    nodes = (n + 1) // 2
+    if rank % 2 == 0 and nodes > 1:
+        assert s["allreduce"]["bus_bytes"] == 2 * (nodes - 1) * 1024 // nodes
+    else:
+        assert "allreduce" not in s
+
+
+@pytest.mark.mpi
+def test_local_rank_and_size():
+    lr, ls = commlib.get_local_rank(), commlib.get_local_size()
+    assert 0 <= lr < ls <= commlib.get_world_size()
