@@ -16,8 +16,19 @@ from .stats import stats
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # torch-dependent layers load on first use, so numpy-only users never import torch.
+    from importlib import import_module
+    if name == "DistributedDataParallel":
+        return import_module(".ddp", __name__).DistributedDataParallel
+    if name == "algorithms":
+        return import_module(".algorithms", __name__)
+    raise AttributeError(f"module 'commlib' has no attribute {name!r}")
+
+
 __all__ = [
-    "CommError", "Group", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "CommError", "DistributedDataParallel", "Group", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
     "allreduce", "alltoall", "barrier", "block_offsets", "block_sizes", "broadcast",
     "get_local_rank", "get_local_size", "get_rank", "get_world_size", "init",
     "is_initialized", "new_group", "options", "recv", "reduce", "reduce_scatter", "send",

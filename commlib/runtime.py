@@ -74,6 +74,12 @@ def watchdog() -> Watchdog:
     return _watchdog
 
 
+def thread_multiple() -> bool:
+    """Whether MPI was initialized with ``MPI_THREAD_MULTIPLE`` (needed to communicate from a
+    background thread while the main thread may also call MPI)."""
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
 def get_rank() -> int:
     """This process's rank in the world communicator."""
     return world().rank

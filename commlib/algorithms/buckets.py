@@ -1,0 +1,80 @@
+"""Buckets: flat buffers per dtype and device that tensors (gradients, weights, optimizer
+state) view into, so one collective moves many tensors and no copy is made per step where
+the layout allows."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+
+MB = 1 << 20
+FIRST_BUCKET_BYTES = 1 * MB  # the first bucket is small so communication starts early
+
+
+class Bucket:
+    """Tensors of one dtype and device packed into ``flat`` (1-D), in ``names`` order.
+
+    ``views[i]`` is the slice of ``flat`` shaped like tensor ``i``; ``index`` is the launch
+    order (every rank launches buckets in increasing index).
+    """
+
+    def __init__(self, index: int, names: Sequence[str], tensors: Sequence[torch.Tensor]):
+        self.index = index
+        self.names = list(names)
+        self.tensors = list(tensors)
+        first = tensors[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.numels = [t.numel() for t in tensors]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(tensors))]
+        self.flat = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
+        self.views = [self.flat[o:o + n].view_as(t)
+                      for o, n, t in zip(self.offsets, self.numels, tensors)]
+        self.pending = len(tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __repr__(self) -> str:
+        return (f"<Bucket {self.index}: {len(self)} tensors, {self.nbytes} bytes, "
+                f"{self.dtype}, {self.device}>")
+
+
+def plan(named: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
+         first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """Group tensors (given in registration order) into buckets, in reverse order.
+
+    Backward produces gradients roughly in reverse registration order, so buckets are
+    filled from the last tensor backwards; a bucket holds one dtype and device and closes
+    when it would exceed ``cap_bytes`` (the smaller of that and ``first_cap_bytes`` for
+    the first one). Returns the
+    indices (into ``named``) of each bucket, buckets in launch order.
+    """
+    items = list(named)
+    open_: dict[Any, list[int]] = {}
+    sizes: dict[Any, int] = {}
+    closed: list[list[int]] = []
+    for i in reversed(range(len(items))):
+        t = items[i][1]
+        key = (t.dtype, t.device)
+        nbytes = t.numel() * t.element_size()
+        cap = min(first_cap_bytes, cap_bytes) if not closed else cap_bytes
+        if key in open_ and sizes[key] + nbytes > cap:
+            closed.append(open_.pop(key))
+        if key not in open_:
+            open_[key], sizes[key] = [], 0
+        open_[key].append(i)
+        sizes[key] += nbytes
+    closed.extend(open_.values())
+    return closed
+
+
+def build(named: Sequence[tuple[str, torch.Tensor]], cap_bytes: int,
+          first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
+    """:func:`plan` and allocate: one :class:`Bucket` per group, flat buffers zeroed."""
+    groups = plan(named, cap_bytes, first_cap_bytes)
+    return [Bucket(k, [named[i][0] for i in idx], [named[i][1] for i in idx])
+            for k, idx in enumerate(groups)]

@@ -1,0 +1,4 @@
+"""The DDP wrapper layer."""
+from .wrapper import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel"]

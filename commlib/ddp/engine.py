@@ -1,0 +1,88 @@
+"""The communication thread: runs jobs one at a time, in submission order.
+
+MPI progresses a non-blocking request only while some thread is inside MPI. Bucket
+exchanges therefore run on this thread, which stays inside MPI (polling the requests a job
+returns) while autograd computes on the main thread; mpi4py releases the GIL inside MPI
+calls, so both really run at once. Jobs run strictly in submission order, which every rank
+keeps identical, so collectives match across ranks. Needs ``MPI_THREAD_MULTIPLE``; without it
+the engine runs each job synchronously on the caller's thread (no overlap, same results).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+# Polling a request with short sleeps instead of a blocking wait leaves the cores to
+# autograd on machines where ranks outnumber cores; the first polls spin for low latency.
+SPIN_POLLS = 50
+MAX_SLEEP_S = 200e-6
+
+
+def drive(result: Any) -> Any:
+    """Complete the Work handle(s) a job returned; return the job's result unchanged."""
+    works = result if isinstance(result, (list, tuple)) else [result]
+    works = [w for w in works if hasattr(w, "is_completed")]
+    polls, sleep = 0, 10e-6
+    while works:
+        works = [w for w in works if not w.is_completed()]
+        if not works:
+            break
+        polls += 1
+        if polls > SPIN_POLLS:
+            time.sleep(sleep)
+            sleep = min(sleep * 2, MAX_SLEEP_S)
+    return result
+
+
+class Engine:
+    """FIFO executor on one daemon thread (or inline when ``threaded`` is False)."""
+
+    def __init__(self, threaded: bool, name: str = "commlib-comm") -> None:
+        self.threaded = threaded
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; the Future resolves once its Work handles completed."""
+        if self._closed:
+            raise RuntimeError("commlib: the communication engine was closed")
+        future: Future = Future()
+        if not self.threaded:
+            _run(future, fn, args)
+            return future
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            _run(*item)
+
+    def close(self) -> None:
+        """Finish queued jobs and stop the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+def _run(future: Future, fn: Callable[..., Any], args: tuple) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(drive(fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        future.set_exception(exc)
