@@ -12,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 NUMPY_DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 TORCH_DTYPES = NUMPY_DTYPES + ["bfloat16"]
@@ -93,3 +94,14 @@ def run_mpi(n: int, args: list[str], timeout: float, **env: str) -> tuple[int, f
         out, _ = proc.communicate()
         code = -9
     return code, time.monotonic() - start, out
+
+
+def _world_size() -> int:
+    if "mpi4py.MPI" not in sys.modules:
+        return 1
+    return sys.modules["mpi4py.MPI"].COMM_WORLD.Get_size()
+
+
+# Tests that launch their own mpiexec run in the serial session only.
+serial_only = pytest.mark.skipif(_world_size() > 1,
+                                 reason="launches its own mpiexec; run in the serial session")

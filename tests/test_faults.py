@@ -5,16 +5,13 @@ Each case launches ``mpiexec`` in a subprocess with an outer timeout; these test
 serial session only (they start their own MPI jobs).
 """
 import os
-import sys
 
 import pytest
 
-from helpers import run_mpi
+from helpers import run_mpi, serial_only
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "fault_program.py")
-pytestmark = pytest.mark.skipif("mpi4py.MPI" in sys.modules and
-                                __import__("mpi4py.MPI").MPI.COMM_WORLD.Get_size() > 1,
-                                reason="launches its own mpiexec; run in the serial session")
+pytestmark = serial_only
 
 
 @pytest.mark.parametrize("mode", ["skip", "raise", "exit", "kill"])
