@@ -1,0 +1,256 @@
+"""Data-parallel training step: commlib.DistributedDataParallel against torch DDP over gloo
+(and Horovod where installed), measured in the same mpiexec job, plus the compute-only
+floor; and bucketed allreduce of ResNet-18-shaped gradients against one allreduce per
+tensor and one flat raw mpi4py allreduce.
+
+    mpiexec -n 2 python benchmarks/bench_ddp.py --json results/ddp-2.json --plot results/ddp-2.png
+
+Every figure is a median over repetitions; peers run interleaved with commlib (rep after
+rep) so machine noise hits all alike. Step times are per rank, then the maximum over ranks
+(the job moves at the pace of its slowest rank).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import commlib  # noqa: E402
+from commlib.algorithms.buckets import build  # noqa: E402
+from models import WideMLP, resnet18_shapes  # noqa: E402
+
+
+def slowest(seconds: float) -> float:
+    """Maximum over ranks of a per-rank time."""
+    return float(commlib.allreduce(np.array([seconds]), op="max")[0])
+
+
+def time_steps(step: Callable[[], None], steps: int, warmup: int) -> float:
+    """Median seconds of ``step`` on this rank, after ``warmup`` calls, all ranks aligned."""
+    for _ in range(warmup):
+        step()
+    commlib.barrier()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return slowest(statistics.median(times))
+
+
+def training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                  y: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return WideMLP(width=args.width, depth=args.depth)
+
+
+def init_gloo() -> Any:
+    import torch.distributed as dist
+    port = np.array([0])
+    if commlib.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    commlib.broadcast(port, src=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                            rank=commlib.get_rank(), world_size=commlib.get_world_size())
+    return dist
+
+
+def horovod() -> Any:
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return None
+    hvd.init()
+    return hvd
+
+
+def contenders(args: argparse.Namespace, x: torch.Tensor,
+               y: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """name -> one training step. Each contender owns its model and optimizer."""
+    out: dict[str, Callable[[], None]] = {}
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+    local = make_model(args)
+    out["compute_only"] = training_step(local, sgd(local.parameters()), x, y)
+    ours = commlib.DistributedDataParallel(make_model(args), bucket_cap_mb=args.bucket_cap_mb)
+    out["commlib"] = training_step(ours, sgd(ours.parameters()), x, y)
+    if "torch" in args.peers:
+        init_gloo()
+        theirs = torch.nn.parallel.DistributedDataParallel(make_model(args),
+                                                           bucket_cap_mb=args.bucket_cap_mb)
+        out["torch_ddp_gloo"] = training_step(theirs, sgd(theirs.parameters()), x, y)
+    hvd = horovod() if "horovod" in args.peers else None
+    if hvd is not None:
+        model = make_model(args)
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                       named_parameters=model.named_parameters())
+        out["horovod"] = training_step(model, opt, x, y)
+    elif "horovod" in args.peers and commlib.get_rank() == 0:
+        print("horovod: not installed, peer skipped (../shared/peers/install-horovod.sh "
+              "builds it)", flush=True)
+    return out
+
+
+def bench_steps(args: argparse.Namespace) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(commlib.get_rank())
+    x = torch.randn(args.batch, 784, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    steps = contenders(args, x, y)
+    results: dict[str, list[float]] = {name: [] for name in steps}
+    results["compute_alone"] = []
+    alone = steps["compute_only"]
+    for _ in range(args.reps):
+        for name, step in steps.items():
+            results[name].append(time_steps(step, args.steps, args.warmup))
+        results["compute_alone"].append(_alone(alone, args))
+    commlib.stats(reset=True)
+    steps["commlib"]()
+    bytes_per_step = commlib.stats(reset=True)
+    return {"median_s": {k: statistics.median(v) for k, v in results.items()},
+            "all_s": results, "commlib_bytes_per_step": bytes_per_step}
+
+
+def _alone(step: Callable[[], None], args: argparse.Namespace) -> float:
+    """Rank 0 computes while the other ranks wait idle: the one-rank compute floor."""
+    seconds = 0.0
+    if commlib.get_rank() == 0:
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+    return float(commlib.broadcast(np.array([seconds]), src=0)[0])
+
+
+def bench_buckets(args: argparse.Namespace) -> dict[str, Any]:
+    """ResNet-18 gradients: bucketed commlib allreduce vs one per tensor vs raw mpi4py."""
+    from mpi4py import MPI
+    grads = [(name, torch.randn(shape)) for name, shape in resnet18_shapes()]
+    buckets = build(grads, int(args.bucket_cap_mb * (1 << 20)))
+    flat = np.concatenate([g.numpy().ravel() for _, g in grads])
+    raw = MPI.COMM_WORLD.Dup()
+
+    def bucketed() -> None:
+        works = [commlib.allreduce(b.flat, async_op=True) for b in buckets]
+        for w in works:
+            w.wait()
+
+    def per_tensor() -> None:
+        for _, g in grads:
+            commlib.allreduce(g)
+
+    def raw_flat() -> None:
+        raw.Allreduce(MPI.IN_PLACE, flat)
+
+    cases = {"commlib_bucketed": bucketed, "commlib_per_tensor": per_tensor,
+             "mpi4py_flat": raw_flat}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.reps):
+        for name, fn in cases.items():
+            times[name].append(time_steps(fn, max(2, args.steps // 2), 1))
+    raw.Free()
+    return {"tensors": len(grads), "bytes": int(flat.nbytes), "buckets": len(buckets),
+            "median_s": {k: statistics.median(v) for k, v in times.items()}}
+
+
+def report(steps: dict[str, Any], buckets: dict[str, Any], n: int) -> None:
+    t = steps["median_s"]
+    print(f"\ntraining step, {n} ranks (median seconds, slowest rank):")
+    for name, seconds in t.items():
+        print(f"  {name:<16} {seconds * 1e3:9.2f} ms   {seconds / t['commlib']:6.3f}x commlib")
+    if "torch_ddp_gloo" in t:
+        ratio = t["commlib"] / t["torch_ddp_gloo"]
+        print(f"  commlib / torch DDP (gloo)     = {ratio:.3f}  (target <= 0.90: "
+              f"{'PASS' if ratio <= 0.9 else 'MISS'})")
+    for floor in ("compute_only", "compute_alone"):
+        ratio = t["commlib"] / t[floor]
+        print(f"  commlib / {floor:<19}  = {ratio:.3f}  (target <= 1.15: "
+              f"{'PASS' if ratio <= 1.15 else 'MISS'})")
+    b = buckets["median_s"]
+    print(f"\nResNet-18 gradients ({buckets['tensors']} tensors, {buckets['bytes'] / 2**20:.1f} "
+          f"MiB, {buckets['buckets']} buckets), {n} ranks:")
+    for name, seconds in b.items():
+        print(f"  {name:<20} {seconds * 1e3:9.2f} ms   "
+              f"{seconds / b['mpi4py_flat']:6.3f}x raw flat mpi4py")
+
+
+def plot(steps: dict[str, Any], buckets: dict[str, Any], n: int, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, data, title in ((axes[0], steps["median_s"], f"training step, {n} ranks"),
+                            (axes[1], buckets["median_s"], f"ResNet-18 gradients, {n} ranks")):
+        names = list(data)
+        ax.bar(names, [data[k] * 1e3 for k in names], color="tab:blue")
+        ax.set_ylabel("ms (median, slowest rank)")
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
+    p.add_argument("--depth", type=int, default=4, help="hidden layers of the MLP")
+    p.add_argument("--batch", type=int, default=64, help="per-rank batch")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--peers", default="torch,horovod",
+                   help="comma-separated peers among torch,horovod")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per rank (0: cores / ranks on the node)")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    commlib.init()
+    n = commlib.get_world_size()
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // commlib.get_local_size()))
+    steps = bench_steps(args)
+    buckets = bench_buckets(args)
+    if commlib.get_rank() == 0:
+        report(steps, buckets, n)
+        result = {"ranks": n, "args": vars(args), "steps": steps, "buckets": buckets,
+                  "threads_per_rank": torch.get_num_threads()}
+        for path, write in ((args.json, lambda p: json.dump(result, open(p, "w"), indent=2)),
+                            (args.plot, lambda p: plot(steps, buckets, n, p))):
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                write(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
