@@ -10,7 +10,8 @@ reduce_scatter     (n - 1) / n * B (B the full input)
 alltoall           (n - 1) / n * B
 allgather(_v)      (n - 1) * B (B this rank's part)
 broadcast, reduce  B
-send, recv         B
+send, recv         B (counted on the sender; recv counts bytes, no bus bytes)
+sendrecv           B (what this rank sends)
 =================  ==============================
 
 Compressed and hierarchical collectives count the buffers they really hand to MPI, under
@@ -55,6 +56,7 @@ BUS_FACTOR: dict[str, Callable[[int, int], int]] = {
     "reduce": _whole,
     "send": _whole,
     "recv": _none,
+    "sendrecv": _whole,
     "barrier": _none,
 }
 

@@ -78,3 +78,18 @@ def build(named: Sequence[tuple[str, torch.Tensor]], cap_bytes: int,
     groups = plan(named, cap_bytes, first_cap_bytes)
     return [Bucket(k, [named[i][0] for i in idx], [named[i][1] for i in idx])
             for k, idx in enumerate(groups)]
+
+
+def pack(bucket: Bucket) -> torch.Tensor:
+    """Copy the bucket's tensors into ``bucket.flat`` (e.g. a snapshot of weights)."""
+    with torch.no_grad():
+        for view, t in zip(bucket.views, bucket.tensors):
+            view.copy_(t)
+    return bucket.flat
+
+
+def unpack(bucket: Bucket) -> None:
+    """Copy ``bucket.flat`` back into the bucket's tensors, in place."""
+    with torch.no_grad():
+        for view, t in zip(bucket.views, bucket.tensors):
+            t.copy_(view)

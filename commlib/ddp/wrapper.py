@@ -11,7 +11,8 @@ from .. import runtime
 from ..algorithms import registry
 from ..algorithms.base import GRADIENTS, Algorithm, Context
 from ..algorithms.buckets import MB
-from ..primitives import broadcast, new_group
+from ..primitives import allreduce, broadcast, new_group
+from ..reduce_ops import ReduceOp
 from .consistency import check_same_model
 from .engine import Engine
 from .graph import reached_parameters
@@ -101,6 +102,18 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._sync = previous
 
+    def average_parameters(self) -> None:
+        """Collective: replace every parameter by its average over the group (e.g. to make
+        decentralized or local-SGD replicas equal before evaluation or saving)."""
+        params = [p for p in self.module.parameters()]
+        if not params or self.process_group.size == 1:
+            return
+        with torch.no_grad():
+            for ts in _by_dtype(params).values():
+                flat = torch.cat([t.detach().reshape(-1) for t in ts])
+                self._ctx_run(allreduce, flat, ReduceOp.AVG, self.process_group)
+                _scatter(flat, ts)
+
     def close(self) -> None:
         """Stop the algorithm and the communication thread; remove every hook."""
         if getattr(self, "_closed", False):
@@ -128,16 +141,10 @@ class DistributedDataParallel(torch.nn.Module):
         if not tensors or self.process_group.size == 1:
             return
         with torch.no_grad():
-            groups: dict[Any, list[torch.Tensor]] = {}
-            for t in tensors:
-                groups.setdefault((t.dtype, t.device), []).append(t)
-            for ts in groups.values():
+            for ts in _by_dtype(tensors).values():
                 flat = torch.cat([t.detach().reshape(-1) for t in ts])
                 self._ctx_run(broadcast, flat, 0, self.process_group)
-                offset = 0
-                for t in ts:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                _scatter(flat, ts)
 
     def _ctx_run(self, fn: Any, *args: Any) -> Any:
         return self._engine.submit(fn, *args).result()
@@ -148,6 +155,20 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             self._ctx.step += 1
             self.algorithm.after_optimizer_step(self._ctx, optimizer)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _make_algorithm(algorithm: Any, kwargs: dict[str, Any]) -> Algorithm:

@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             (bar.write(line) if bar is not None else print(line, flush=True))
     if bar is not None:
         bar.close()
+    # Decentralized and local algorithms leave replicas that differ: evaluate their average.
+    ddp.average_parameters()
     accuracy = evaluate(ddp.module, test_set, rank, n)
     if rank == 0:
         sent = _bytes_sent()

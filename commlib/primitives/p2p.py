@@ -78,3 +78,26 @@ def _check_count(status: Any, comm: Communicator, buf: Buf, src: int) -> None:
     if got != buf.count:
         raise CommError(f"{where('recv', comm.rank)}: rank {src} sent {got} elements of "
                         f"{buf.dt.name}, but the receive buffer holds {buf.count}")
+
+
+def sendrecv(send_tensor: Any, dst: int, recv_tensor: Any, src: int, tag: int = 0,
+             group: Any = None) -> Any:
+    """Send ``send_tensor`` to ``dst`` and receive into ``recv_tensor`` from ``src`` at once
+    (MPI_Sendrecv: no deadlock when every rank of a ring or pair calls it). The two buffers
+    must not overlap; the received message must have ``recv_tensor``'s element count.
+    Returns ``recv_tensor``."""
+    comm = resolve(group, "sendrecv")
+    rank = comm.rank
+    dst = comm.check_rank(dst, "dst", "sendrecv")
+    src = comm.check_rank(src, "src", "sendrecv")
+    tag = _check_tag(tag, "sendrecv", rank)
+    out = adapt(send_tensor, "send_tensor", "sendrecv", rank)
+    into = adapt(recv_tensor, "recv_tensor", "sendrecv", rank, write=True, read=False)
+    stats.record("sendrecv", out.nbytes, comm.size)
+    status = MPI.Status()
+    blocking(comm, "sendrecv", out, comm.mpi.Sendrecv, out.msg(), dst, tag, into.msg(), src,
+             tag, status)
+    _check_count(status, comm, into, src)
+    out.finish()
+    into.finish()
+    return recv_tensor

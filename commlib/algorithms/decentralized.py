@@ -1,0 +1,73 @@
+"""``decentralized``: decentralized SGD (D-PSGD); weights averaged with peers, no gradient
+exchange.
+
+At a communicating step ``t`` every rank snapshots its weights ``x_t`` before the forward
+pass and averages the snapshot with its peers on the communication thread while forward
+and backward run; before the optimizer step the weights become the averaged snapshot, and
+the optimizer then applies the local gradient: ``x_{t+1} = avg_peers(x_t) - lr * g_i(x_t)``.
+Communication thus overlaps the whole forward/backward. Replicas differ during training
+(they only agree under ``"all"``); ``DistributedDataParallel.average_parameters()`` makes
+them equal, e.g. before evaluation.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..primitives import PEER_MODES, peer_average
+from .base import WEIGHTS, Algorithm, Context
+from .buckets import pack, unpack
+from .registry import register
+
+
+@register("decentralized")
+class Decentralized(Algorithm):
+    """``peer_selection_mode``: ``"all"`` (average with every rank) or ``"shift_one"`` (one
+    peer per step, pairs disjoint, the peer changing every step; see
+    :func:`commlib.primitives.shift_one_peer`). ``communication_interval``: communicate
+    every that many optimizer steps (local steps in between)."""
+
+    exchanges = WEIGHTS
+
+    def __init__(self, peer_selection_mode: str = "all", communication_interval: int = 1):
+        if peer_selection_mode not in PEER_MODES:
+            raise ValueError(f"decentralized: peer_selection_mode must be one of "
+                             f"{PEER_MODES}, got {peer_selection_mode!r}")
+        if int(communication_interval) < 1:
+            raise ValueError(f"decentralized: communication_interval must be >= 1, "
+                             f"got {communication_interval}")
+        self.peer_selection_mode = peer_selection_mode
+        self.communication_interval = int(communication_interval)
+        self._pending: Future | None = None
+        self._snapshot_step = -1
+
+    def before_forward(self, ctx: Context) -> None:
+        step = ctx.step
+        if step % self.communication_interval or self._snapshot_step == step:
+            return
+        self._snapshot_step = step
+        flats = [pack(b) for b in ctx.buckets]
+        self._pending = ctx.submit(self._exchange, ctx, flats, step)
+
+    def _exchange(self, ctx: Context, flats: list[torch.Tensor], step: int) -> None:
+        for flat in flats:
+            peer_average(flat, self.peer_selection_mode, step // self.communication_interval,
+                         group=ctx.group)
+
+    def before_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
+        self._finish(ctx)
+
+    def _finish(self, ctx: Context) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.result()
+        for bucket in ctx.buckets:
+            unpack(bucket)
+
+    def teardown(self, ctx: Context) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
