@@ -2,9 +2,10 @@
 chunks. The kernels themselves live in ``_minmax_*`` and ``_sign_*``."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 import numba
 import numpy as np
@@ -23,6 +24,10 @@ DEFAULT_CHUNK_SIZE = 2048
 
 #: Parallel runs of chunks per CPU thread: slack to even out threads that fall behind.
 TASKS_PER_THREAD = 4
+
+#: Below this many elements the CPU kernels run on the calling thread only: waking the
+#: thread pool costs more than the work (and far more when cores are oversubscribed).
+PARALLEL_MIN_NUMEL = 1 << 16
 
 Array = Any  # numpy.ndarray | torch.Tensor | cupy.ndarray
 
@@ -60,6 +65,21 @@ def _cuda_module(name: str) -> ModuleType:
 
 def _ntasks(nchunks: int) -> int:
     return min(nchunks, TASKS_PER_THREAD * numba.get_num_threads())
+
+
+@contextlib.contextmanager
+def _cpu_threads(numel: int) -> Iterator[None]:
+    """Limit the CPU kernels to one thread for small inputs (Numba's setting is per
+    calling thread, so this does not affect other threads)."""
+    if numel >= PARALLEL_MIN_NUMEL:
+        yield
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
 
 
 def _host_buffer(lay: Layout) -> np.ndarray:
@@ -127,9 +147,10 @@ def _quantize_cpu(x: Array, kind: str, lay: Layout) -> np.ndarray:
     buf = _host_buffer(lay)
     params, q = sections(buf, lay)
     status = np.zeros(lay.nchunks, np.uint8)
-    if lay.nchunks:
-        _minmax_cpu.quantize(A.host_float32(x, kind), lay.chunk_size, params, q, status,
-                             _ntasks(lay.nchunks))
+    with _cpu_threads(lay.numel):
+        if lay.nchunks:
+            _minmax_cpu.quantize(A.host_float32(x, kind), lay.chunk_size, params, q,
+                                 status, _ntasks(lay.nchunks))
     _raise_for_status(status, lay, "quantize_minmax_uint8", _MINMAX_REASONS,
                       "nothing was returned")
     return buf
@@ -176,7 +197,8 @@ def dequantize_minmax_uint8(buf: Array, out: Array | None = None, *,
     if _impl(impl, A.is_gpu(buf, kind), lay.numel) == "cpu":
         params, q = sections(A.host_uint8(buf, kind), lay)
         host, finish = _host_float_output(buf, kind, lay.numel, out)
-        _minmax_cpu.dequantize(params, q, lay.chunk_size, host)
+        with _cpu_threads(lay.numel):
+            _minmax_cpu.dequantize(params, q, lay.chunk_size, host)
         return finish()
     with D.on_device(buf, kind):
         params, q = sections(D.to_device(buf, kind, False), lay)
@@ -208,13 +230,14 @@ def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout) -> np.
     buf = _host_buffer(lay)
     scales, bits = sections(buf, lay)
     status = np.zeros(lay.nchunks, np.uint8)
-    if lay.nchunks:
-        _sign_cpu.chunk_scales(xf, r_host, lay.chunk_size, scales, status,
-                               _ntasks(lay.nchunks))
-    _raise_for_status(status, lay, "compress_sign", _SIGN_REASONS,
-                      "residual was left unchanged")
-    if lay.nchunks:
-        _sign_cpu.pack_signs(xf, r_host, lay.chunk_size, scales, bits, lay.bits_stride)
+    with _cpu_threads(lay.numel):
+        if lay.nchunks:
+            _sign_cpu.chunk_scales(xf, r_host, lay.chunk_size, scales, status,
+                                   _ntasks(lay.nchunks))
+        _raise_for_status(status, lay, "compress_sign", _SIGN_REASONS,
+                          "residual was left unchanged")
+        if lay.nchunks:
+            _sign_cpu.pack_signs(xf, r_host, lay.chunk_size, scales, bits, lay.bits_stride)
     if r is None:
         A.copy_from_host(residual, kind, r_host)
     return buf
@@ -264,7 +287,8 @@ def decompress_sign(buf: Array, out: Array | None = None, *,
     if _impl(impl, A.is_gpu(buf, kind), lay.numel) == "cpu":
         scales, bits = sections(A.host_uint8(buf, kind), lay)
         host, finish = _host_float_output(buf, kind, lay.numel, out)
-        _sign_cpu.unpack_signs(scales, bits, lay.chunk_size, lay.bits_stride, host)
+        with _cpu_threads(lay.numel):
+            _sign_cpu.unpack_signs(scales, bits, lay.chunk_size, lay.bits_stride, host)
         return finish()
     with D.on_device(buf, kind):
         scales, bits = sections(D.to_device(buf, kind, False), lay)

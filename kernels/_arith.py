@@ -18,10 +18,11 @@ multiplying by a precomputed ``255 / rng`` keeps tiny ranges (subnormal ``rng``,
 ``255 / rng`` overflows to inf) exact, and leaves no multiply-add pair for a GPU compiler
 to contract into an FMA. Dequantization:
 
-    step  = rng / 255
-    x'[i] = min(lo + float32(q[i]) * step, hi)
+    x'[i] = min(lo + (float32(q[i]) / 255) * rng, hi)
 
-The final ``min`` keeps ``x'`` inside ``[lo, hi]`` even where ``255 * step`` rounds up.
+``q / 255`` first (rather than a per-chunk step ``rng / 255``) because that step
+underflows for subnormal ranges, and ``(q / 255) * rng <= rng`` cannot overflow. The
+final ``min`` keeps ``x'`` inside ``[lo, hi]`` where the products round up.
 
 1-bit sign with error feedback, per chunk of ``n`` elements of ``v = x + residual``:
 

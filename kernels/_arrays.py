@@ -84,7 +84,9 @@ def numel(obj: Any, kind: str) -> int:
 def host_float32(obj: Any, kind: str) -> np.ndarray:
     """Flat C-contiguous float32 numpy copy of ``obj``, or a view when none is needed."""
     if kind == "numpy":
-        return np.ascontiguousarray(obj, dtype=np.float32).reshape(-1)
+        # float64 beyond the float32 range becomes inf, which the kernels then report
+        with np.errstate(over="ignore"):
+            return np.ascontiguousarray(obj, dtype=np.float32).reshape(-1)
     if kind == "torch":
         t = obj.detach().reshape(-1)
         if t.dtype != _torch().float32:

@@ -97,7 +97,7 @@ def dequantize(params, q, chunk_size, out):
         os = out[start:stop]
         lo = params[c, 0]
         hi = params[c, 1]
-        step = (hi - lo) / F255
+        rng = hi - lo
         for i in range(qs.size):
-            v = lo + np.float32(qs[i]) * step
+            v = lo + (np.float32(qs[i]) / F255) * rng
             os[i] = v if v < hi else hi

@@ -74,8 +74,7 @@ def _dequantize_kernel(params, q, chunk_size, out):
     c = i // chunk_size
     lo = params[c, 0]
     hi = params[c, 1]
-    step = (hi - lo) / F255
-    v = lo + np.float32(q[i]) * step
+    v = lo + (np.float32(q[i]) / F255) * (hi - lo)
     out[i] = v if v < hi else hi
 
 
