@@ -1,0 +1,71 @@
+"""Gradient compression kernels for commlib: min-max uint8 and 1-bit sign.
+
+Each compressor produces ONE contiguous uint8 buffer that describes itself (see
+``kernels._layout`` for the byte layout), so a piece can travel alone through an MPI
+alltoall or allgather and be decompressed by the receiver with no side information.
+Buffers of the same kind, element count and chunk size always have the same length.
+
+API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)::
+
+    quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, impl=None) -> Array[uint8]
+    dequantize_minmax_uint8(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
+    compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, impl=None)
+        -> Array[uint8]                               # updates residual in place
+    decompress_sign(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
+    decompress(buf: Array, out=None, *, impl=None) -> Array[f32]   # either kind
+    compressed_nbytes(numel: int, chunk_size: int = 2048, kind: str = "minmax_uint8") -> int
+    read_header(buf: Array) -> Layout     # kind, numel, chunk_size, nchunks, nbytes
+
+Inputs of any shape are read flattened, as float32 (float16, float64 and torch bfloat16
+are converted first; float64 values beyond the float32 range become Inf and are
+rejected). Outputs are of the input's kind and on its device: numpy in, numpy out;
+torch in, torch out on the same device; cupy in, cupy out. Decompression returns a new
+1-D float32 array, or fills ``out`` (float32, C-contiguous, same kind and device, any
+shape with ``numel`` elements) in place and returns it.
+
+``impl`` forces the implementation: ``"cpu"`` (Numba, parallel over chunks) or
+``"cuda"`` (Numba CUDA kernels; ``NUMBA_ENABLE_CUDASIM=1`` runs them on the simulator).
+The default runs where the data lives. Host data with ``impl="cuda"`` and GPU data with
+``impl="cpu"`` are copied over and the result copied back. ``numba.cuda`` and ``cupy``
+are imported only when the CUDA path runs; if it is requested and unusable, the error
+says to ``pip install 'commlib[cuda]'``.
+
+Min-max uint8 (per chunk of ``chunk_size`` elements, the last one may be shorter): stores
+the chunk's min and max as float32 and one code per element,
+``q = rint((x - min) / (max - min) * 255)``, decoded as
+``x' = min(min + (q / 255) * (max - min), max)``. Constant chunks are exact. The error
+per element is at most ``(max - min) / 510`` plus float32 rounding.
+
+1-bit sign with error feedback: compresses ``v = x + residual``; stores per chunk the
+scale ``mean |v|`` (float32) and one bit per element (1 = negative; +0.0 and -0.0 count
+as positive). Decoding gives ``+scale`` or ``-scale``; the caller-owned ``residual`` is
+updated in place to ``v - decoded``, so what is not sent now is sent later.
+
+Non-finite input: NaN or Inf anywhere in ``x`` (for sign: in ``x + residual``) raises
+``ValueError`` naming the first bad chunk and its element range; nothing is returned
+and, for the sign compressor, ``residual`` is left unchanged. A chunk whose
+``max - min`` overflows float32 (values of opposite sign near 3.4e38) is rejected the
+same way. Decompression trusts the buffer's contents after validating its header.
+
+Exact float32 arithmetic (``kernels._arith``) is shared by the CPU twin and the CUDA
+kernel; under the CUDA simulator both give byte-identical buffers, and on a GPU they
+agree to within one quantization level (the GPU compiler may fuse multiply-adds).
+"""
+from ._api import (DEFAULT_CHUNK_SIZE, compress_sign, compressed_nbytes, decompress,
+                   decompress_sign, dequantize_minmax_uint8, quantize_minmax_uint8,
+                   read_header)
+from ._layout import MINMAX_UINT8, SIGN1, Layout
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "MINMAX_UINT8",
+    "SIGN1",
+    "Layout",
+    "compress_sign",
+    "compressed_nbytes",
+    "decompress",
+    "decompress_sign",
+    "dequantize_minmax_uint8",
+    "quantize_minmax_uint8",
+    "read_header",
+]

@@ -1,0 +1,305 @@
+"""Public entry points: validate arguments, pick CPU or CUDA, adapt arrays, report bad
+chunks. The kernels themselves live in ``_minmax_*`` and ``_sign_*``."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from types import ModuleType
+from typing import Any, Iterator
+
+import numba
+import numpy as np
+
+from . import _arrays as A
+from . import _cuda_io as D
+from . import _minmax_cpu, _sign_cpu
+from ._arith import NON_FINITE, RANGE_OVERFLOW
+from ._cuda import load_cuda
+from ._layout import (HEADER_NBYTES, MINMAX_UINT8, SIGN1, Layout, make_layout, pack_header,
+                      parse_header, sections)
+
+#: Elements per chunk unless told otherwise: 8 bytes of min/max per 2048 codes (0.4 %),
+#: 4 bytes of scale per 256 bytes of sign bits (1.6 %).
+DEFAULT_CHUNK_SIZE = 2048
+
+#: Parallel runs of chunks per CPU thread: slack to even out threads that fall behind.
+TASKS_PER_THREAD = 4
+
+#: Below this many elements the CPU kernels run on the calling thread only: waking the
+#: thread pool costs more than the work (and far more when cores are oversubscribed).
+PARALLEL_MIN_NUMEL = 1 << 16
+
+Array = Any  # numpy.ndarray | torch.Tensor | cupy.ndarray
+
+
+def compressed_nbytes(numel: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      kind: str = MINMAX_UINT8) -> int:
+    """Length in bytes of the compressed buffer of ``numel`` elements (``kind`` is
+    ``"minmax_uint8"`` or ``"sign1"``); the same for every input of that size."""
+    return make_layout(kind, numel, chunk_size).nbytes
+
+
+def read_header(buf: Array) -> Layout:
+    """Validated layout of the compressed uint8 buffer ``buf`` (any kind or device):
+    ``kind``, ``numel``, ``chunk_size``, ``nchunks``, ``nbytes``. ``ValueError`` if
+    ``buf`` is not a complete compressed buffer."""
+    kind = A.kind_of(buf)
+    return parse_header(A.host_uint8(buf, kind, HEADER_NBYTES), A.numel(buf, kind))
+
+
+def _impl(impl: str | None, gpu: bool, numel: int) -> str:
+    if impl is None:
+        impl = "cuda" if gpu else "cpu"
+    if impl not in ("cpu", "cuda"):
+        raise ValueError(f"impl must be 'cpu', 'cuda' or None, got {impl!r}")
+    if impl == "cuda":
+        load_cuda()  # fail loudly even when an empty input would need no kernel
+        if numel == 0:
+            return "cpu"  # header only, no kernel to run; the bytes are identical
+    return impl
+
+
+def _cuda_module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}._{name}_cuda")
+
+
+def _ntasks(nchunks: int) -> int:
+    return min(nchunks, TASKS_PER_THREAD * numba.get_num_threads())
+
+
+@contextlib.contextmanager
+def _cpu_threads(numel: int) -> Iterator[None]:
+    """Limit the CPU kernels to one thread for small inputs (Numba's setting is per
+    calling thread, so this does not affect other threads)."""
+    if numel >= PARALLEL_MIN_NUMEL:
+        yield
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+def _host_buffer(lay: Layout) -> np.ndarray:
+    buf = np.empty(lay.nbytes, np.uint8)
+    buf[:HEADER_NBYTES] = pack_header(lay)
+    buf[lay.data_offset + lay.data_nbytes:] = 0
+    return buf
+
+
+def _raise_for_status(status: np.ndarray, lay: Layout, what: str, reasons: dict,
+                      consequence: str) -> None:
+    bad = np.flatnonzero(status)
+    if bad.size:
+        c = int(bad[0])
+        first, last = c * lay.chunk_size, min((c + 1) * lay.chunk_size, lay.numel) - 1
+        raise ValueError(f"{what}: chunk {c} (elements {first}..{last}) "
+                         f"{reasons[int(status[c])]}; {bad.size} of {lay.nchunks} chunks "
+                         f"are affected; {consequence}")
+
+
+def _host_float_output(like: Array, kind: str, n: int, out: Array | None):
+    """(flat host float32 array to fill, call returning the caller-visible result)."""
+    if out is None:
+        host = np.empty(n, np.float32)
+        return host, lambda: A.like_host(host, like, kind)
+    view = A.host_inplace(out, kind)
+    if view is not None:
+        return view, lambda: out
+    host = np.empty(n, np.float32)
+
+    def copy_back() -> Array:
+        A.copy_from_host(out, kind, host)
+        return out
+    return host, copy_back
+
+
+def _check_out(out: Array | None, buf: Array, lay: Layout) -> None:
+    if out is None:
+        return
+    A.same_place(buf, out, "out")
+    A.check_float32_contiguous(out, A.kind_of(out), "out")
+    if A.numel(out, A.kind_of(out)) != lay.numel:
+        raise ValueError(f"out has {A.numel(out, A.kind_of(out))} elements, the buffer "
+                         f"holds {lay.numel}")
+
+
+def _open(buf: Array, expected: str, out: Array | None) -> tuple[str, Layout]:
+    kind = A.kind_of(buf)
+    lay = read_header(buf)
+    if lay.kind != expected:
+        raise ValueError(f"expected a {expected} buffer, got {lay.kind}")
+    _check_out(out, buf, lay)
+    return kind, lay
+
+
+# ---------------------------------------------------------------- min-max uint8
+
+_MINMAX_REASONS = {
+    NON_FINITE: "contains NaN or Inf (float64 values beyond the float32 range count as Inf)",
+    RANGE_OVERFLOW: "has max - min beyond the float32 range",
+}
+
+
+def _quantize_cpu(x: Array, kind: str, lay: Layout) -> np.ndarray:
+    buf = _host_buffer(lay)
+    params, q = sections(buf, lay)
+    status = np.zeros(lay.nchunks, np.uint8)
+    with _cpu_threads(lay.numel):
+        if lay.nchunks:
+            _minmax_cpu.quantize(A.host_float32(x, kind), lay.chunk_size, params, q,
+                                 status, _ntasks(lay.nchunks))
+    _raise_for_status(status, lay, "quantize_minmax_uint8", _MINMAX_REASONS,
+                      "nothing was returned")
+    return buf
+
+
+def _quantize_cuda(x: Array, kind: str, lay: Layout) -> Array:
+    mod = _cuda_module("minmax")
+    with D.on_device(x, kind):
+        dev, finish = D.new_buffer(x, kind, lay)
+        params, q = sections(dev, lay)
+        d_status = D.status_array(lay.nchunks)
+        mod.quantize(D.to_device(x, kind, True), lay.chunk_size, params, q, d_status)
+        _raise_for_status(d_status.copy_to_host(), lay, "quantize_minmax_uint8",
+                          _MINMAX_REASONS, "nothing was returned")
+        return finish()
+
+
+def quantize_minmax_uint8(x: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                          impl: str | None = None) -> Array:
+    """Chunked min-max uint8 quantization of ``x``.
+
+    ``x``: any shape, float16/float32/float64 (or torch bfloat16); read as flat float32.
+    Returns a new 1-D uint8 array of ``compressed_nbytes(x.size, chunk_size)`` bytes, of
+    ``x``'s kind and device. ``impl``: ``"cpu"``, ``"cuda"`` or None (where ``x`` lives).
+    Raises ``ValueError`` if a chunk holds NaN/Inf or spans more than float32 can hold.
+    """
+    kind = A.kind_of(x)
+    A.check_float(x, kind, "x")
+    lay = make_layout(MINMAX_UINT8, A.numel(x, kind), chunk_size)
+    if _impl(impl, A.is_gpu(x, kind), lay.numel) == "cpu":
+        return A.like_host(_quantize_cpu(x, kind, lay), x, kind)
+    return _quantize_cuda(x, kind, lay)
+
+
+def dequantize_minmax_uint8(buf: Array, out: Array | None = None, *,
+                            impl: str | None = None) -> Array:
+    """Inverse of ``quantize_minmax_uint8``.
+
+    ``buf``: a complete compressed uint8 buffer. Returns float32 of ``buf``'s kind and
+    device: ``out`` (filled in place; float32, C-contiguous, ``numel`` elements, any
+    shape) when given, else a new 1-D array of ``numel`` elements.
+    """
+    kind, lay = _open(buf, MINMAX_UINT8, out)
+    if _impl(impl, A.is_gpu(buf, kind), lay.numel) == "cpu":
+        params, q = sections(A.host_uint8(buf, kind), lay)
+        host, finish = _host_float_output(buf, kind, lay.numel, out)
+        with _cpu_threads(lay.numel):
+            _minmax_cpu.dequantize(params, q, lay.chunk_size, host)
+        return finish()
+    with D.on_device(buf, kind):
+        params, q = sections(D.to_device(buf, kind, False), lay)
+        dev, finish = D.float_output(buf, kind, lay.numel, out)
+        _cuda_module("minmax").dequantize(params, q, lay.chunk_size, dev)
+        return finish()
+
+
+# ---------------------------------------------------------------- 1-bit sign
+
+_SIGN_REASONS = {
+    NON_FINITE: "has a non-finite mean |x + residual| (NaN or Inf in x or residual, or "
+                "magnitudes whose sum overflows float32)",
+}
+
+
+def _check_residual(x: Array, kind: str, residual: Array) -> None:
+    A.same_place(x, residual, "residual")
+    A.check_float32_contiguous(residual, kind, "residual")
+    if A.numel(residual, kind) != A.numel(x, kind):
+        raise ValueError(f"residual has {A.numel(residual, kind)} elements, x has "
+                         f"{A.numel(x, kind)}")
+
+
+def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout) -> np.ndarray:
+    xf = A.host_float32(x, kind)
+    r = A.host_inplace(residual, kind)
+    r_host = A.host_float32(residual, kind) if r is None else r
+    buf = _host_buffer(lay)
+    scales, bits = sections(buf, lay)
+    status = np.zeros(lay.nchunks, np.uint8)
+    with _cpu_threads(lay.numel):
+        if lay.nchunks:
+            _sign_cpu.chunk_scales(xf, r_host, lay.chunk_size, scales, status,
+                                   _ntasks(lay.nchunks))
+        _raise_for_status(status, lay, "compress_sign", _SIGN_REASONS,
+                          "residual was left unchanged")
+        if lay.nchunks:
+            _sign_cpu.pack_signs(xf, r_host, lay.chunk_size, scales, bits, lay.bits_stride)
+    if r is None:
+        A.copy_from_host(residual, kind, r_host)
+    return buf
+
+
+def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout) -> Array:
+    mod = _cuda_module("sign")
+    with D.on_device(x, kind):
+        d_x = D.to_device(x, kind, True)
+        d_r, write_back = D.inplace(residual, kind)
+        dev, finish = D.new_buffer(x, kind, lay)
+        scales, bits = sections(dev, lay)
+        d_status = D.status_array(lay.nchunks)
+        mod.chunk_scales(d_x, d_r, lay.chunk_size, scales, d_status)
+        _raise_for_status(d_status.copy_to_host(), lay, "compress_sign", _SIGN_REASONS,
+                          "residual was left unchanged")
+        mod.pack_signs(d_x, d_r, lay.chunk_size, scales, bits, lay.bits_stride)
+        write_back()
+        return finish()
+
+
+def compress_sign(x: Array, residual: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                  impl: str | None = None) -> Array:
+    """1-bit sign compression of ``v = x + residual`` with error feedback.
+
+    ``x``: any shape, float16/float32/float64 (or torch bfloat16); read as flat float32.
+    ``residual``: caller-owned float32, C-contiguous, same kind, device and number of
+    elements as ``x``, not overlapping ``x``; updated IN PLACE to
+    ``v - decompress_sign(result)``. Start it at zeros. Returns a new 1-D uint8 array of
+    ``compressed_nbytes(x.size, chunk_size, "sign1")`` bytes on ``x``'s device.
+    Raises ``ValueError`` (residual untouched) if a chunk's mean |v| is not finite.
+    """
+    kind = A.kind_of(x)
+    A.check_float(x, kind, "x")
+    _check_residual(x, kind, residual)
+    lay = make_layout(SIGN1, A.numel(x, kind), chunk_size)
+    if _impl(impl, A.is_gpu(x, kind), lay.numel) == "cpu":
+        return A.like_host(_compress_sign_cpu(x, kind, residual, lay), x, kind)
+    return _compress_sign_cuda(x, kind, residual, lay)
+
+
+def decompress_sign(buf: Array, out: Array | None = None, *,
+                    impl: str | None = None) -> Array:
+    """Inverse of ``compress_sign``: element ``i`` becomes ``+scale`` or ``-scale`` of its
+    chunk. Output rules as for ``dequantize_minmax_uint8``."""
+    kind, lay = _open(buf, SIGN1, out)
+    if _impl(impl, A.is_gpu(buf, kind), lay.numel) == "cpu":
+        scales, bits = sections(A.host_uint8(buf, kind), lay)
+        host, finish = _host_float_output(buf, kind, lay.numel, out)
+        with _cpu_threads(lay.numel):
+            _sign_cpu.unpack_signs(scales, bits, lay.chunk_size, lay.bits_stride, host)
+        return finish()
+    with D.on_device(buf, kind):
+        scales, bits = sections(D.to_device(buf, kind, False), lay)
+        dev, finish = D.float_output(buf, kind, lay.numel, out)
+        _cuda_module("sign").unpack_signs(scales, bits, lay.chunk_size, lay.bits_stride, dev)
+        return finish()
+
+
+def decompress(buf: Array, out: Array | None = None, *, impl: str | None = None) -> Array:
+    """Decompress any buffer from this package, dispatching on the kind in its header."""
+    kind = read_header(buf).kind
+    if kind == MINMAX_UINT8:
+        return dequantize_minmax_uint8(buf, out, impl=impl)
+    return decompress_sign(buf, out, impl=impl)
