@@ -16,7 +16,8 @@ from typing import Any, Callable, TypeVar
 ENTRY_POINT_GROUP = "commlib.algorithms"
 _registry: dict[str, type] = {}
 _entry_points_loaded = False
-_BUILTINS = ("gradient_allreduce", "decentralized", "local_sgd", "async_model_average")
+_BUILTINS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
+             "qadam", "local_sgd", "async_model_average")
 
 T = TypeVar("T", bound=type)
 

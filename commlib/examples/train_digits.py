@@ -104,6 +104,17 @@ def train_epoch(ddp: nn.Module, loader: DataLoader, opt: torch.optim.Optimizer,
     return loss_sum, correct, seen, time.perf_counter() - start
 
 
+def make_optimizer(args: argparse.Namespace, ddp: nn.Module) -> torch.optim.Optimizer:
+    name = args.optimizer or ("qadam" if args.algorithm == "qadam" else "sgd")
+    if name == "sgd":
+        return torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    lr = args.lr / 10  # Adam's steps are normalized: a tenth of SGD's rate
+    if name == "adam":
+        return torch.optim.Adam(ddp.parameters(), lr=lr)
+    from commlib.algorithms.qadam import QAdamOptimizer
+    return QAdamOptimizer(ddp.parameters(), lr=lr)
+
+
 def _bytes_sent() -> int:
     return sum(v["bytes"] for v in commlib.stats().values())
 
@@ -118,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--optimizer", choices=("sgd", "adam", "qadam"), default=None,
+                   help="default: qadam's own optimizer for --algorithm qadam, else sgd")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ddp = commlib.DistributedDataParallel(DigitsCNN(), algorithm=args.algorithm,
                                           bucket_cap_mb=args.bucket_cap_mb,
                                           **parse_algo_args(args.algo_arg))
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = make_optimizer(args, ddp)
     if rank == 0:
         print(f"commlib {commlib.__version__}: {n} ranks, algorithm {ddp.algorithm!r}, "
               f"{len(train_set)} training / {len(test_set)} test digits", flush=True)

@@ -4,8 +4,9 @@ from .allreduce import allreduce
 from .alltoall import alltoall
 from .barrier import barrier
 from .broadcast import broadcast
-from .decentralized import (PEER_MODES, peer_average, ring_neighbors,
-                            shift_one_peer)
+from .compressed import CompressionState, compressed_allreduce
+from .decentralized import (PEER_MODES, compressed_ring_exchange, peer_average,
+                            ring_neighbors, shift_one_peer)
 from .group import Group, new_group, world
 from .p2p import recv, send, sendrecv
 from .reduce import reduce
@@ -13,7 +14,8 @@ from .reduce_scatter import block_offsets, block_sizes, reduce_scatter
 from .work import Work
 
 __all__ = [
-    "Group", "PEER_MODES", "Work", "allgather", "allgather_v", "allreduce", "alltoall",
+    "CompressionState", "Group", "PEER_MODES", "Work", "compressed_allreduce",
+    "compressed_ring_exchange", "allgather", "allgather_v", "allreduce", "alltoall",
     "barrier", "block_offsets", "block_sizes", "broadcast", "new_group", "peer_average",
     "recv", "reduce", "reduce_scatter", "ring_neighbors", "send", "sendrecv",
     "shift_one_peer", "world",

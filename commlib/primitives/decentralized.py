@@ -77,3 +77,29 @@ def _average_into(out: Any, a: Any, b: Any) -> None:
         out *= 0.5
     else:
         out.copy_(a.add(b).mul_(0.5))
+
+
+def compressed_ring_exchange(tensor: Any, group: Any = None,
+                             chunk_size: int = 2048) -> tuple[Any, Any, Any]:
+    """Send ``tensor`` (floating point) min-max uint8-compressed to both ring neighbours and
+    receive theirs. Returns ``(mine, from_left, from_right)``, all decompressed float32 of
+    ``tensor``'s kind: ``mine`` is exactly what the neighbours decode from this rank, so
+    replicas kept by both sides of a link stay identical. With 2 ranks both neighbours are
+    the same rank (one exchange); with 1 rank ``from_left``/``from_right`` are ``mine``."""
+    import kernels
+    comm = resolve(group, "compressed_ring_exchange")
+    flat = tensor.reshape(-1)
+    codes = kernels.quantize_minmax_uint8(flat, chunk_size)
+    mine = kernels.dequantize_minmax_uint8(codes)
+    if comm.size == 1:
+        return mine, mine, mine
+    left, right = ring_neighbors(comm.rank, comm.size)
+    from_left = codes.copy() if hasattr(codes, "copy") else codes.clone()
+    sendrecv(codes, right, from_left, left, tag=1, group=group)
+    if comm.size == 2:
+        got = kernels.dequantize_minmax_uint8(from_left)
+        return mine, got, got
+    from_right = from_left.copy() if hasattr(from_left, "copy") else from_left.clone()
+    sendrecv(codes, left, from_right, right, tag=2, group=group)
+    return (mine, kernels.dequantize_minmax_uint8(from_left),
+            kernels.dequantize_minmax_uint8(from_right))

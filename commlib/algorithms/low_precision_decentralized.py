@@ -1,0 +1,68 @@
+"""``low_precision_decentralized``: decentralized SGD over a ring whose links carry
+min-max uint8-compressed weight differences.
+
+Every rank keeps, per link, replicas that both ends of the link update identically: its
+copies of the left and right neighbours' weights (``x_left``, ``x_right``) and the public
+version of its own weights that the neighbours hold (``x_pub``). After every
+``communication_interval``-th optimizer step, with ``x`` the local weights::
+
+    avg   = mean(x, x_left, x_right)      # the distinct ring members
+    q     = compress(avg - x_pub)         # sent to both neighbours
+    x_pub += decompress(q); x_left += decompress(q_left); x_right += decompress(q_right)
+    x     = x_pub
+
+so each link carries one byte per weight per direction (plus 8 bytes per chunk), and the
+replicas never drift: both ends add the same decompressed bytes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..primitives import compressed_ring_exchange
+from .base import WEIGHTS, Algorithm, Context
+from .buckets import pack, unpack
+from .registry import register
+
+
+@register("low_precision_decentralized")
+class LowPrecisionDecentralized(Algorithm):
+    exchanges = WEIGHTS
+
+    def __init__(self, communication_interval: int = 1, chunk_size: int = 2048) -> None:
+        if int(communication_interval) < 1:
+            raise ValueError(f"low_precision_decentralized: communication_interval must be "
+                             f">= 1, got {communication_interval}")
+        self.communication_interval = int(communication_interval)
+        self.chunk_size = int(chunk_size)
+        self._replicas: list[dict[str, torch.Tensor]] = []
+
+    def setup(self, ctx: Context) -> None:
+        self._replicas = []
+
+    def _init_replicas(self, ctx: Context) -> None:
+        # Weights are equal on every rank right after construction, so every replica of
+        # every rank starts from the same values.
+        self._replicas = [{k: pack(b).clone() for k in ("pub", "left", "right")}
+                          for b in ctx.buckets]
+
+    def after_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
+        if not self._replicas:
+            self._init_replicas(ctx)
+        if ctx.step % self.communication_interval == 0 and ctx.world_size > 1:
+            ctx.run(self._exchange, ctx)
+
+    def _exchange(self, ctx: Context) -> None:
+        two = ctx.world_size == 2
+        for bucket, rep in zip(ctx.buckets, self._replicas):
+            x = pack(bucket)
+            members = [x, rep["left"]] if two else [x, rep["left"], rep["right"]]
+            avg = torch.stack(members).mean(0)
+            mine, from_left, from_right = compressed_ring_exchange(
+                avg - rep["pub"], ctx.group, self.chunk_size)
+            rep["pub"] += mine
+            rep["left"] += from_left
+            rep["right"] += from_right
+            bucket.flat.copy_(rep["pub"])
+            unpack(bucket)

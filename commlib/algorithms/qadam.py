@@ -1,0 +1,157 @@
+"""``qadam``: Adam whose momentum, not gradient, is exchanged compressed after a warm-up.
+
+For ``warmup_steps`` steps the algorithm averages gradients in full precision (as
+``gradient_allreduce``) and :class:`QAdamOptimizer` is plain Adam. From then on the second
+moment ``v`` is frozen, and in backward each bucket's momentum is updated locally,
+``m <- beta1 m + (1 - beta1) (g + weight_decay p)``, and averaged over the ranks through
+the compressed allreduce in its preconditioned form ``u = m / (sqrt(v_hat) + eps)``: 1-bit signs with per-chunk scales and error feedback
+(``compression="sign1"``, about 1/32 of the bytes) or min-max uint8
+(``compression="minmax_uint8"``, about 1/4). Every rank then sets
+``m = avg(u) * (sqrt(v_hat) + eps)`` and the optimizer steps on it with the frozen variance:
+``p <- p - lr * m_hat / (sqrt(v_hat) + eps)``. Gradients themselves no longer travel.
+
+Why ``u`` and not ``m``: the frozen variance is the same on every rank, so averaging ``u``
+is averaging ``m``; but ``u`` has Adam's per-element scale (order one everywhere), while
+``m`` spans orders of magnitude inside one compression chunk (a bias before batch norm has
+gradients of 1e-10 next to weights of 1e-2). Compressing ``m`` would give such elements
+the chunk's error, which division by their tiny ``sqrt(v)`` turns into huge steps. Use it with :class:`QAdamOptimizer`::
+
+    ddp = commlib.DistributedDataParallel(model, algorithm="qadam", warmup_steps=100)
+    opt = commlib.algorithms.qadam.QAdamOptimizer(ddp.parameters(), lr=1e-3)
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..primitives import CompressionState, allreduce, compressed_allreduce
+from ..reduce_ops import ReduceOp
+from .base import Algorithm, Context
+from .buckets import Bucket
+from .registry import register
+
+
+class QAdamOptimizer(torch.optim.Optimizer):
+    """Adam that freezes its variance when ``qadam`` ends the warm-up; afterwards the
+    momentum is maintained (and averaged) by the algorithm, not by the optimizer."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.compressing = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["frozen_step"] = 0
+                state["step"] += 1
+                if not self.compressing:
+                    g = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] \
+                        else p.grad
+                    state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                    state["frozen_step"] = state["step"]
+                m_hat = 1 - beta1 ** state["step"]
+                v_hat = 1 - beta2 ** max(state["frozen_step"], 1)
+                denom = (state["exp_avg_sq"] / v_hat).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / m_hat)
+        return loss
+
+
+@register("qadam")
+class QAdam(Algorithm):
+    """``warmup_steps``: full-precision steps before compression starts.
+    ``compression``: ``"sign1"`` (error feedback) or ``"minmax_uint8"``.
+    ``hierarchical``: node-local full-precision reduce first. ``chunk_size``: elements per
+    compression chunk."""
+
+    def __init__(self, warmup_steps: int = 100, compression: str = "sign1",
+                 hierarchical: bool = False, chunk_size: int = 2048) -> None:
+        if compression not in ("sign1", "minmax_uint8"):
+            raise ValueError(f"qadam: compression must be 'sign1' or 'minmax_uint8', "
+                             f"got {compression!r}")
+        self.warmup_steps = int(warmup_steps)
+        self.compression = compression
+        self.hierarchical = bool(hierarchical)
+        self.chunk_size = int(chunk_size)
+        self.compressing = False
+        self._optimizer: QAdamOptimizer | None = None
+        self._momentum: list[torch.Tensor] = []
+        self._denom: list[torch.Tensor] = []
+        self._states: list[CompressionState] = []
+
+    def before_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
+        if not isinstance(optimizer, QAdamOptimizer):
+            raise TypeError(f"qadam: the optimizer must be commlib.algorithms.qadam."
+                            f"QAdamOptimizer, got {type(optimizer).__name__}")
+        self._optimizer = optimizer
+        if self.compressing and not optimizer.compressing:
+            self._bind(ctx, optimizer)
+
+    def need_reset(self, ctx: Context) -> bool:
+        return not self.compressing and ctx.step >= self.warmup_steps
+
+    def reset(self, ctx: Context) -> None:
+        self.compressing = True
+
+    def make_buckets(self, ctx: Context) -> list[Bucket]:
+        buckets = super().make_buckets(ctx)
+        self._momentum = [torch.zeros_like(b.flat) for b in buckets]
+        self._states = [CompressionState() for _ in buckets]
+        if self.compressing and self._optimizer is not None:
+            self._bind(ctx, self._optimizer, buckets)
+        return buckets
+
+    def _bind(self, ctx: Context, optimizer: QAdamOptimizer,
+              buckets: list[Bucket] | None = None) -> None:
+        """Move the optimizer's momentum into the bucket-shaped buffers we exchange."""
+        optimizer.compressing = True
+        eps = optimizer.param_groups[0]["eps"]
+        beta2 = optimizer.param_groups[0]["betas"][1]
+        self._denom = []
+        for bucket, flat in zip(buckets or ctx.buckets, self._momentum):
+            denom = torch.empty_like(flat)
+            for p, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels):
+                view = flat[offset:offset + numel].view_as(p)
+                state = optimizer.state[p]
+                if "exp_avg" in state:
+                    view.copy_(state["exp_avg"])
+                else:  # never stepped during a warm-up
+                    state.update(step=0, frozen_step=0, exp_avg_sq=torch.zeros_like(p))
+                state["exp_avg"] = view
+                v_hat = 1 - beta2 ** max(state["frozen_step"], 1)
+                denom[offset:offset + numel] = (state["exp_avg_sq"] / v_hat).sqrt().add(eps) \
+                    .reshape(-1)
+            self._denom.append(denom)
+
+    def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
+        if not self.compressing:
+            return allreduce(bucket.flat, op=ReduceOp.AVG, group=ctx.group, async_op=True)
+        group = self._optimizer.param_groups[0] if self._optimizer else {"betas": (0.9, 0.999),
+                                                                          "weight_decay": 0.0}
+        beta1, wd = group["betas"][0], group["weight_decay"]
+        m = self._momentum[bucket.index]
+        with torch.no_grad():
+            g = bucket.flat
+            if wd:
+                g = g + wd * torch.cat([p.detach().reshape(-1) for p in bucket.tensors])
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            u = m.div_(self._denom[bucket.index])
+        compressed_allreduce(u, op=ReduceOp.AVG, group=ctx.group, method=self.compression,
+                             chunk_size=self.chunk_size, state=self._states[bucket.index],
+                             hierarchical=self.hierarchical)
+        with torch.no_grad():
+            u.mul_(self._denom[bucket.index])
+        return None
