@@ -34,9 +34,10 @@ def full_loss(module: torch.nn.Module) -> float:
 
 
 def train(algorithm: str, steps: int = 60, batch: int = 16, lr: float = 0.1,
-          optimizer: str = "sgd", finish=None, **kwargs) -> dict:
+          optimizer: str = "sgd", finish=None, count_from: int = 0, **kwargs) -> dict:
     """Train ``steps`` steps; return the loss of the averaged model on the whole set, this
-    rank's byte counters over the training, and the DDP wrapper (closed)."""
+    rank's byte counters over steps ``count_from..steps-1``, and the DDP wrapper (closed).
+    ``optimizer``: "sgd" or a callable ``ddp -> optimizer``."""
     rank, n = commlib.get_rank(), commlib.get_world_size()
     x, y = digits()
     ddp = commlib.DistributedDataParallel(model(), algorithm=algorithm, **kwargs)
@@ -47,7 +48,9 @@ def train(algorithm: str, steps: int = 60, batch: int = 16, lr: float = 0.1,
     losses = []
     commlib.stats(reset=True)
     try:
-        for _ in range(steps):
+        for step in range(steps):
+            if step == count_from:
+                commlib.stats(reset=True)
             idx = mine[torch.randint(0, len(mine), (batch,), generator=g)]
             opt.zero_grad()
             loss = F.cross_entropy(ddp(x[idx]), y[idx])

@@ -112,3 +112,65 @@ def test_async_abort_and_resume():
 
     train("async_model_average", steps=10, sync_interval_ms=1, finish=finish)
     assert out["rounds"] >= 1
+
+
+def qadam_optimizer(ddp):
+    from commlib.algorithms.qadam import QAdamOptimizer
+    return QAdamOptimizer(ddp.parameters(), lr=0.01)
+
+
+@pytest.mark.mpi
+def test_bytegrad_converges_with_under_a_third_of_the_bytes():
+    out = train("bytegrad", steps=STEPS)
+    assert within_margin(out["loss"], reference()["loss"]), (out["loss"], reference()["loss"])
+    if commlib.get_world_size() > 1:
+        ratio = bus_bytes(out["stats"]) / bus_bytes(reference()["stats"])
+        assert ratio <= 0.3, ratio
+        assert "allreduce" not in out["stats"]
+
+
+_adam_reference = {}
+
+
+def adam_reference():
+    """gradient_allreduce with Adam at qadam's learning rate: the fair full-precision peer
+    of an Adam-family algorithm."""
+    if not _adam_reference:
+        _adam_reference.update(train("gradient_allreduce", steps=STEPS, optimizer=lambda d:
+                                     torch.optim.Adam(d.parameters(), lr=0.01)))
+    return _adam_reference
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression,limit,margin", [("sign1", 0.1, 0.4),
+                                                      ("minmax_uint8", 0.3, 0.15)])
+def test_qadam_after_warmup_sends_a_fraction(compression, limit, margin):
+    warmup = 20
+    out = train("qadam", steps=STEPS, optimizer=qadam_optimizer, warmup_steps=warmup,
+                compression=compression, count_from=warmup)
+    ref = adam_reference()["loss"]
+    assert within_margin(out["loss"], ref, margin=margin), (out["loss"], ref)
+    if commlib.get_world_size() > 1:
+        per_step = bus_bytes(out["stats"]) / (STEPS - warmup)
+        reference_per_step = bus_bytes(reference()["stats"]) / STEPS
+        assert per_step <= limit * reference_per_step, per_step / reference_per_step
+        assert "allreduce" not in out["stats"]
+
+
+@pytest.mark.mpi
+def test_qadam_needs_its_optimizer():
+    with pytest.raises(TypeError, match="QAdamOptimizer"):
+        train("qadam", steps=2, warmup_steps=1)
+
+
+@pytest.mark.mpi
+def test_low_precision_decentralized_converges_on_compressed_links():
+    n = commlib.get_world_size()
+    out = train("low_precision_decentralized", steps=STEPS)
+    assert within_margin(out["loss"], reference()["loss"], margin=0.3), out["loss"]
+    if n > 1:
+        ratio = bus_bytes(out["stats"]) / bus_bytes(reference()["stats"])
+        assert ratio < 0.7, ratio  # one byte per weight per link direction
+        assert set(out["stats"]) == {"sendrecv"}
+    if n > 2:
+        assert not same_everywhere(out["before_average"])

@@ -1,18 +1,21 @@
 """``low_precision_decentralized``: decentralized SGD over a ring whose links carry
 min-max uint8-compressed weight differences.
 
-Every rank keeps, per link, replicas that both ends of the link update identically: its
+This is DCD-PSGD (Tang et al., 2018, "Communication Compression for Decentralized
+Training"). Every rank keeps replicas that both ends of a link update identically: its
 copies of the left and right neighbours' weights (``x_left``, ``x_right``) and the public
-version of its own weights that the neighbours hold (``x_pub``). After every
-``communication_interval``-th optimizer step, with ``x`` the local weights::
+version of its own weights that the neighbours hold (``x_pub``, which is also where its
+own weights start every step). The optimizer step takes the local weights from ``x_pub``
+to ``x = x_pub - lr * update``. After every ``communication_interval``-th step::
 
-    avg   = mean(x, x_left, x_right)      # the distinct ring members
-    q     = compress(avg - x_pub)         # sent to both neighbours
+    target = mean(x_pub, x_left, x_right) + (x - x_pub)   # gossip average + local step
+    q      = compress(target - x_pub)                     # sent to both neighbours
     x_pub += decompress(q); x_left += decompress(q_left); x_right += decompress(q_right)
-    x     = x_pub
+    x      = x_pub
 
-so each link carries one byte per weight per direction (plus 8 bytes per chunk), and the
-replicas never drift: both ends add the same decompressed bytes.
+The mean runs over the distinct ring members (two with two ranks). Each link carries one
+byte per weight per direction (plus 8 bytes per chunk), and replicas never drift: both
+ends add the same decompressed bytes.
 """
 from __future__ import annotations
 
@@ -56,11 +59,11 @@ class LowPrecisionDecentralized(Algorithm):
     def _exchange(self, ctx: Context) -> None:
         two = ctx.world_size == 2
         for bucket, rep in zip(ctx.buckets, self._replicas):
-            x = pack(bucket)
-            members = [x, rep["left"]] if two else [x, rep["left"], rep["right"]]
-            avg = torch.stack(members).mean(0)
+            x, pub = pack(bucket), rep["pub"]
+            members = [pub, rep["left"]] if two else [pub, rep["left"], rep["right"]]
+            target = torch.stack(members).mean(0) + (x - pub)
             mine, from_left, from_right = compressed_ring_exchange(
-                avg - rep["pub"], ctx.group, self.chunk_size)
+                target - pub, ctx.group, self.chunk_size)
             rep["pub"] += mine
             rep["left"] += from_left
             rep["right"] += from_right

@@ -34,13 +34,36 @@ from .registry import register
 
 class QAdamOptimizer(torch.optim.Optimizer):
     """Adam that freezes its variance when ``qadam`` ends the warm-up; afterwards the
-    momentum is maintained (and averaged) by the algorithm, not by the optimizer."""
+    momentum is maintained (and averaged) by the algorithm, not by the optimizer.
+
+    ``variance_floor``: when the variance is frozen, each element's bias-corrected variance
+    is raised to at least ``variance_floor`` times the mean of its tensor. An element that
+    saw no gradient during the warm-up (a pixel that is always zero in those batches) would
+    otherwise be divided by ``eps`` alone the first time it gets one.
+    """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+                 weight_decay: float = 0.0, variance_floor: float = 1e-4) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      variance_floor=variance_floor))
         self.compressing = False
+
+    @torch.no_grad()
+    def freeze(self) -> None:
+        """End of warm-up: fix ``state["denom"] = sqrt(max(v_hat, floor)) + eps`` per
+        parameter; steps from now on use the momentum the algorithm maintains."""
+        self.compressing = True
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, frozen_step=0, exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+                v_hat = state["exp_avg_sq"] / (1 - beta2 ** max(state["frozen_step"], 1))
+                floor = group["variance_floor"] * v_hat.mean()
+                state["denom"] = v_hat.clamp_(min=float(floor)).sqrt_().add_(group["eps"])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -64,8 +87,11 @@ class QAdamOptimizer(torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
                     state["frozen_step"] = state["step"]
                 m_hat = 1 - beta1 ** state["step"]
-                v_hat = 1 - beta2 ** max(state["frozen_step"], 1)
-                denom = (state["exp_avg_sq"] / v_hat).sqrt_().add_(group["eps"])
+                if self.compressing:
+                    denom = state["denom"]
+                else:
+                    v_hat = 1 - beta2 ** state["frozen_step"]
+                    denom = (state["exp_avg_sq"] / v_hat).sqrt_().add_(group["eps"])
                 p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / m_hat)
         return loss
 
@@ -75,10 +101,12 @@ class QAdam(Algorithm):
     """``warmup_steps``: full-precision steps before compression starts.
     ``compression``: ``"sign1"`` (error feedback) or ``"minmax_uint8"``.
     ``hierarchical``: node-local full-precision reduce first. ``chunk_size``: elements per
-    compression chunk."""
+    compression chunk. ``max_update``: bound on ``|u|`` (Adam's normalized step) before
+    compression."""
 
     def __init__(self, warmup_steps: int = 100, compression: str = "sign1",
-                 hierarchical: bool = False, chunk_size: int = 2048) -> None:
+                 hierarchical: bool = False, chunk_size: int = 2048,
+                 max_update: float = 10.0) -> None:
         if compression not in ("sign1", "minmax_uint8"):
             raise ValueError(f"qadam: compression must be 'sign1' or 'minmax_uint8', "
                              f"got {compression!r}")
@@ -86,6 +114,7 @@ class QAdam(Algorithm):
         self.compression = compression
         self.hierarchical = bool(hierarchical)
         self.chunk_size = int(chunk_size)
+        self.max_update = float(max_update)
         self.compressing = False
         self._optimizer: QAdamOptimizer | None = None
         self._momentum: list[torch.Tensor] = []
@@ -116,24 +145,19 @@ class QAdam(Algorithm):
 
     def _bind(self, ctx: Context, optimizer: QAdamOptimizer,
               buckets: list[Bucket] | None = None) -> None:
-        """Move the optimizer's momentum into the bucket-shaped buffers we exchange."""
-        optimizer.compressing = True
-        eps = optimizer.param_groups[0]["eps"]
-        beta2 = optimizer.param_groups[0]["betas"][1]
+        """Freeze the optimizer and move its momentum and frozen denominators into the
+        bucket-shaped buffers the exchange works on (the optimizer keeps views of them)."""
+        if not optimizer.compressing:
+            optimizer.freeze()
         self._denom = []
         for bucket, flat in zip(buckets or ctx.buckets, self._momentum):
             denom = torch.empty_like(flat)
             for p, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels):
-                view = flat[offset:offset + numel].view_as(p)
                 state = optimizer.state[p]
-                if "exp_avg" in state:
-                    view.copy_(state["exp_avg"])
-                else:  # never stepped during a warm-up
-                    state.update(step=0, frozen_step=0, exp_avg_sq=torch.zeros_like(p))
-                state["exp_avg"] = view
-                v_hat = 1 - beta2 ** max(state["frozen_step"], 1)
-                denom[offset:offset + numel] = (state["exp_avg_sq"] / v_hat).sqrt().add(eps) \
-                    .reshape(-1)
+                for buffer, key in ((flat, "exp_avg"), (denom, "denom")):
+                    view = buffer[offset:offset + numel].view_as(p)
+                    view.copy_(state[key])
+                    state[key] = view
             self._denom.append(denom)
 
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
@@ -148,7 +172,9 @@ class QAdam(Algorithm):
             if wd:
                 g = g + wd * torch.cat([p.detach().reshape(-1) for p in bucket.tensors])
             m.mul_(beta1).add_(g, alpha=1 - beta1)
-            u = m.div_(self._denom[bucket.index])
+            # Bounded like Adam's own steps, so one outlier cannot stretch the range of a
+            # compression chunk and drown its neighbours in quantization error.
+            u = m.div_(self._denom[bucket.index]).clamp_(-self.max_update, self.max_update)
         compressed_allreduce(u, op=ReduceOp.AVG, group=ctx.group, method=self.compression,
                              chunk_size=self.chunk_size, state=self._states[bucket.index],
                              hierarchical=self.hierarchical)
