@@ -15,6 +15,7 @@ Rules, the same for every collective:
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable
 
@@ -36,7 +37,7 @@ class Buf:
         self.kind = kind
         self.dt = dt
         self.mem = mem
-        self.count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        self.count = math.prod(shape)
         self.shape = shape
         self._after: Callable[[], None] | None = None
         self._staging: Any = None
@@ -147,7 +148,7 @@ def _adapt_device(obj: Any, kind: str, dt: DType, write: bool, read: bool) -> Bu
         if write and contig is not obj:
             buf._after = lambda: _copy_into(obj, contig, kind)
         return buf
-    nbytes = _count(shape) * dt.itemsize
+    nbytes = math.prod(shape) * dt.itemsize
     staging = _pool.acquire(nbytes, kind if on_gpu else "numpy")
     host_bytes = staging.array[:nbytes]
     dev_bytes = _byte_view(contig, kind)
@@ -162,10 +163,6 @@ def _adapt_device(obj: Any, kind: str, dt: DType, write: bool, read: bool) -> Bu
                 _copy_into(obj, contig, kind)
         buf._after = upload
     return buf
-
-
-def _count(shape: tuple) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
 def _is_contiguous(obj: Any, kind: str) -> bool:

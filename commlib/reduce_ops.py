@@ -50,11 +50,21 @@ _LOGICAL = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
 _NUMPY = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
           ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
 _user_ops: dict[tuple[str, ReduceOp], Any] = {}
+_resolved: dict[tuple[ReduceOp, str], Any] = {}
 
 
 def mpi_op(op: ReduceOp, dt: DType, opname: str, rank: int) -> Any:
     """The ``MPI.Op`` that implements ``op`` on elements of ``dt``; raises ``ValueError`` for
     combinations without a meaning (AVG on integers or bool, MIN/MAX on complex)."""
+    found = _resolved.get((op, dt.name))
+    if found is not None:
+        return found
+    found = _resolve(op, dt, opname, rank)
+    _resolved[(op, dt.name)] = found
+    return found
+
+
+def _resolve(op: ReduceOp, dt: DType, opname: str, rank: int) -> Any:
     kind = dt.kind
     if op is ReduceOp.AVG and kind not in "fc":
         raise ValueError(f"{where(opname, rank)}: ReduceOp.AVG needs a floating-point or complex "
@@ -102,3 +112,4 @@ def free_user_ops() -> None:
         except MPI.Exception:
             pass
     _user_ops.clear()
+    _resolved.clear()
