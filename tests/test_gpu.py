@@ -1,0 +1,70 @@
+"""GPU buffers (torch CUDA tensors, cupy arrays): skipped on machines without a GPU, run for
+real where one is available. Results must equal the CPU path's; on an MPI library that is
+not CUDA-aware they travel through host staging buffers, otherwise straight to MPI."""
+import numpy as np
+import pytest
+
+import commlib
+from commlib import ReduceOp
+from commlib.accelerator import cuda_usable
+from helpers import rank_data
+
+USABLE = cuda_usable()
+needs_torch_cuda = pytest.mark.skipif(not USABLE["torch.cuda"], reason="no CUDA GPU for torch")
+needs_cupy = pytest.mark.skipif(not USABLE["cupy"], reason="cupy with a GPU is not available")
+
+
+def expected(numel, seed, n, op=np.sum):
+    return op(np.stack([rank_data(r, numel, "float32", seed=seed) for r in range(n)]), axis=0)
+
+
+@pytest.mark.mpi
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("async_op", [False, True])
+def test_torch_cuda_collectives(dtype, async_op):
+    import torch
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    numel = 1 << 18
+    t = torch.tensor(rank_data(rank, numel, "float32", seed=1), device="cuda",
+                     dtype=getattr(torch, dtype))
+    work = commlib.allreduce(t, async_op=async_op)
+    if async_op:
+        work.wait()
+    np.testing.assert_allclose(t.float().cpu().numpy(), expected(numel, 1, n), rtol=1e-2)
+    g = commlib.allgather(t[:1000])
+    assert g.device.type == "cuda" and g.shape == (n, 1000)
+    b = torch.full((7,), float(rank), device="cuda")
+    commlib.broadcast(b, src=n - 1)
+    assert float(b[0]) == n - 1
+    rs = commlib.reduce_scatter(torch.ones(10, device="cuda"), op=ReduceOp.AVG)
+    assert rs.device.type == "cuda" and torch.all(rs == 1)
+
+
+@pytest.mark.mpi
+@needs_cupy
+def test_cupy_collectives():
+    import cupy
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    a = cupy.asarray(rank_data(rank, 4097, "float32", seed=2))
+    commlib.allreduce(a)
+    np.testing.assert_array_equal(cupy.asnumpy(a), expected(4097, 2, n))
+    out = commlib.alltoall(cupy.arange(2 * n, dtype=cupy.float64))
+    assert isinstance(out, cupy.ndarray)
+
+
+@pytest.mark.mpi
+@needs_torch_cuda
+def test_ddp_on_cuda_matches_cpu():
+    import torch
+    from models import make
+    model = make("mlp", torch.float32).cuda()
+    ddp = commlib.DistributedDataParallel(model)
+    try:
+        x = torch.randn(4, 10, device="cuda")
+        ddp(x).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy()
+        everyone = commlib.allgather(grads)
+        assert (everyone == everyone[0]).all()
+    finally:
+        ddp.close()
