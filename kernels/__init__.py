@@ -32,8 +32,9 @@ says to ``pip install 'commlib[cuda]'``.
 
 Min-max uint8 (per chunk of ``chunk_size`` elements, the last one may be shorter): stores
 the chunk's min and max as float32 and one code per element,
-``q = rint((x - min) / (max - min) * 255)``, decoded as
-``x' = min(min + (q / 255) * (max - min), max)``. Constant chunks are exact. The error
+``q = rint((x - min) * (255 / (max - min)))``, decoded as
+``x' = min(min + (q * (1 / 255)) * (max - min), max)`` (float32 throughout; the exact
+sequence of operations is in ``kernels._arith``). Constant chunks are exact. The error
 per element is at most ``(max - min) / 510`` plus float32 rounding.
 
 1-bit sign with error feedback: compresses ``v = x + residual``; stores per chunk the

@@ -27,7 +27,12 @@ def _inputs():
     mixed[:300] = 4.0                       # constant chunks
     mixed[300:310] = [-0.0, 0.0] * 5        # signed zeros deciding min/max
     mixed[400:420] = F32(1e-44)             # subnormals
+    tiny = np.concatenate([
+        F32(1e-30) * (1 + rng.integers(0, 9, 64) * F32(1.2e-7)),  # range < 2**-64, normal
+        rng.integers(-20, 20, 64).astype(F32) * F32(1e-45),       # subnormal steps
+    ]).astype(F32)
     return {
+        "tiny-ranges": (tiny, 64),
         "empty": (np.zeros(0, F32), 16),
         "single": (np.array([-2.5], F32), 1),
         "ragged": (rng.standard_normal(1000).astype(F32), 96),

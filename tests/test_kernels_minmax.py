@@ -27,7 +27,9 @@ def reference_quantize(x, chunk):
         params[c] = lo, hi
         rng = hi - lo
         if rng != 0:
-            codes[c * chunk:(c + 1) * chunk] = np.rint((part - lo) / rng * F32(255))
+            pre = F32(2.0**64) if rng < F32(2.0**-64) else F32(1)
+            scale = F32(255) / (rng * pre)
+            codes[c * chunk:(c + 1) * chunk] = np.rint(((part - lo) * pre) * scale)
     body = params.tobytes() + codes.tobytes()
     nbytes = -(-(32 + len(body)) // 8) * 8
     head = struct.pack("<4sBBHQQQ", b"CLKC", 1, 1, 0, x.size, chunk, nbytes)
@@ -43,7 +45,7 @@ def reference_dequantize(x, chunk):
     out = np.empty(n, F32)
     for c, (lo, hi) in enumerate(params):
         s = slice(c * chunk, (c + 1) * chunk)
-        out[s] = np.minimum(lo + (codes[s] / F32(255)) * (hi - lo), hi)
+        out[s] = np.minimum(lo + (codes[s] * F32(1 / 255)) * (hi - lo), hi)
     return out
 
 
@@ -137,6 +139,15 @@ def test_tiny_subnormal_range_is_quantized_not_overflowed():
     out = kernels.dequantize_minmax_uint8(kernels.quantize_minmax_uint8(x, 4))
     assert np.all(np.isfinite(out))
     assert np.array_equal(out, x)
+
+
+def test_tiny_normal_range_uses_the_scaled_path_exactly():
+    # range ~1e-37 < 2**-64: 255 / range would overflow without the power-of-two scaling
+    x = (F32(1e-30) * (1 + np.arange(64) % 9 * F32(1.2e-7))).astype(F32)
+    buf = kernels.quantize_minmax_uint8(x, 64)
+    assert np.array_equal(buf, reference_quantize(x, 64))
+    assert len(np.unique(buf[40:])) == len(np.unique(x))
+    _assert_within_bound(x, 64, kernels.dequantize_minmax_uint8(buf))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
