@@ -48,6 +48,11 @@ and, for the sign compressor, ``residual`` is left unchanged. A chunk whose
 ``max - min`` overflows float32 (values of opposite sign near 3.4e38) is rejected the
 same way. Decompression trusts the buffer's contents after validating its header.
 
+The CPU kernels run on Numba's thread pool (``NUMBA_NUM_THREADS``); inputs under 64 Ki
+elements run on the calling thread. With several MPI ranks on one node, give each rank
+its share of the cores: an oversubscribed pool (the OpenMP layer in particular) was
+measured 10-100x slower.
+
 Exact float32 arithmetic (``kernels._arith``) is shared by the CPU twin and the CUDA
 kernel; under the CUDA simulator both give byte-identical buffers, and on a GPU they
 agree to within one quantization level (the GPU compiler may fuse multiply-adds).

@@ -91,6 +91,8 @@ def _host_buffer(lay: Layout) -> np.ndarray:
 
 def _raise_for_status(status: np.ndarray, lay: Layout, what: str, reasons: dict,
                       consequence: str) -> None:
+    if not status.any():
+        return
     bad = np.flatnonzero(status)
     if bad.size:
         c = int(bad[0])
