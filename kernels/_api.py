@@ -94,12 +94,11 @@ def _raise_for_status(status: np.ndarray, lay: Layout, what: str, reasons: dict,
     if not status.any():
         return
     bad = np.flatnonzero(status)
-    if bad.size:
-        c = int(bad[0])
-        first, last = c * lay.chunk_size, min((c + 1) * lay.chunk_size, lay.numel) - 1
-        raise ValueError(f"{what}: chunk {c} (elements {first}..{last}) "
-                         f"{reasons[int(status[c])]}; {bad.size} of {lay.nchunks} chunks "
-                         f"are affected; {consequence}")
+    c = int(bad[0])
+    first, last = c * lay.chunk_size, min((c + 1) * lay.chunk_size, lay.numel) - 1
+    raise ValueError(f"{what}: chunk {c} (elements {first}..{last}) "
+                     f"{reasons[int(status[c])]}; {bad.size} of {lay.nchunks} chunks "
+                     f"are affected; {consequence}")
 
 
 def _host_float_output(like: Array, kind: str, n: int, out: Array | None):
