@@ -125,12 +125,12 @@ def plot(report: dict, path: Path) -> None:
     sizes = [r["size_mib"] for r in report["results"]]
     names = list(report["results"][0]["ops"])
     fig, (ax_bw, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in names:
-        ax_bw.plot(sizes, [r["ops"][name]["gbps"] for r in report["results"]], "o-",
-                   label=name)
+    for i, name in enumerate(names):
+        style = dict(marker="o", color=f"C{i}", label=name)  # same colour in both panels
+        ax_bw.plot(sizes, [r["ops"][name]["gbps"] for r in report["results"]], **style)
         if name != "memcpy":
             ax_ratio.plot(sizes, [r["ops"][name]["ratio_vs_memcpy"] for r in report["results"]],
-                          "o-", label=name)
+                          **style)
     ax_ratio.axhline(report["target_quantize_ratio"], color="grey", ls="--",
                      label="quantizer target")
     for ax, ylabel in ((ax_bw, "GB/s of float32 input (median)"), (ax_ratio, "x memcpy")):
