@@ -54,8 +54,10 @@ its share of the cores: an oversubscribed pool (the OpenMP layer in particular) 
 measured 10-100x slower.
 
 Exact float32 arithmetic (``kernels._arith``) is shared by the CPU twin and the CUDA
-kernel; under the CUDA simulator both give byte-identical buffers, and on a GPU they
-agree to within one quantization level (the GPU compiler may fuse multiply-adds).
+kernel; under the CUDA simulator both give byte-identical buffers. On a GPU the
+compressed bytes should match too (no step is a multiply followed by an add, which the
+GPU compiler could fuse), and are tested to agree within one quantization level;
+dequantized values may differ in the last bits where the GPU fuses ``lo + a * rng``.
 """
 from ._api import (DEFAULT_CHUNK_SIZE, compress_sign, compressed_nbytes, decompress,
                    decompress_sign, dequantize_minmax_uint8, quantize_minmax_uint8,
