@@ -4,7 +4,6 @@ import struct
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -194,41 +193,18 @@ def test_non_contiguous_input():
                           kernels.quantize_minmax_uint8(np.ascontiguousarray(x.T), 64))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_torch_input_gives_numpy_bytes_and_torch_output(dtype):
-    t = torch.randn(17, 29, dtype=torch.float32).to(dtype)
-    buf = kernels.quantize_minmax_uint8(t, 100)
-    assert isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8
-    assert np.array_equal(buf.numpy(), kernels.quantize_minmax_uint8(t.float().numpy(), 100))
-    out = kernels.dequantize_minmax_uint8(buf)
-    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
-    expected = kernels.dequantize_minmax_uint8(buf.numpy())
-    assert np.array_equal(out.numpy(), expected)
-
-
-def test_torch_tensor_requiring_grad():
-    t = torch.randn(100, requires_grad=True)
-    buf = kernels.quantize_minmax_uint8(t, 32)
-    assert np.array_equal(buf.numpy(), kernels.quantize_minmax_uint8(t.detach().numpy(), 32))
-
-
 def test_out_parameter_is_filled_in_place():
     x = np.random.default_rng(5).standard_normal((6, 50)).astype(F32)
     buf = kernels.quantize_minmax_uint8(x, 64)
     out = np.full((6, 50), np.nan, F32)
     assert kernels.dequantize_minmax_uint8(buf, out=out) is out
     assert np.array_equal(out.ravel(), kernels.dequantize_minmax_uint8(buf))
-    tout = torch.empty(300)
-    tbuf = torch.from_numpy(buf)
-    assert kernels.dequantize_minmax_uint8(tbuf, out=tout) is tout
-    assert np.array_equal(tout.numpy(), out.ravel())
 
 
 @pytest.mark.parametrize("out,error,message", [
     (np.empty(299, F32), ValueError, "out has 299 elements"),
     (np.empty(300, np.float64), TypeError, "out must be float32"),
     (np.empty((300, 2), F32)[:, 0], ValueError, "C-contiguous"),
-    (torch.empty(300), TypeError, "out must be a numpy array"),
 ])
 def test_bad_out_is_rejected(out, error, message):
     buf = kernels.quantize_minmax_uint8(np.ones(300, F32), 64)
