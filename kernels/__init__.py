@@ -7,9 +7,10 @@ Buffers of the same kind, element count and chunk size always have the same leng
 
 API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)::
 
-    quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, impl=None) -> Array[uint8]
+    quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, out=None, impl=None)
+        -> Array[uint8]
     dequantize_minmax_uint8(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
-    compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, impl=None)
+    compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, out=None, impl=None)
         -> Array[uint8]                               # updates residual in place
     decompress_sign(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
     decompress(buf: Array, out=None, *, impl=None) -> Array[f32]   # either kind
@@ -19,9 +20,11 @@ API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)
 Inputs of any shape are read flattened, as float32 (float16, float64 and torch bfloat16
 are converted first; float64 values beyond the float32 range become Inf and are
 rejected). Outputs are of the input's kind and on its device: numpy in, numpy out;
-torch in, torch out on the same device; cupy in, cupy out. Decompression returns a new
-1-D float32 array, or fills ``out`` (float32, C-contiguous, same kind and device, any
-shape with ``numel`` elements) in place and returns it.
+torch in, torch out on the same device; cupy in, cupy out. Every function returns a new
+1-D array, or fills ``out`` in place and returns it: for compressors a C-contiguous uint8
+array of exactly ``compressed_nbytes(...)`` elements (say, one slot of an alltoall send
+buffer), for decompressors a C-contiguous float32 array of ``numel`` elements, any
+shape; always of the input's kind and device.
 
 ``impl`` forces the implementation: ``"cpu"`` (Numba, parallel over chunks) or
 ``"cuda"`` (Numba CUDA kernels; ``NUMBA_ENABLE_CUDASIM=1`` runs them on the simulator).

@@ -73,12 +73,18 @@ def test_sign_compress_is_byte_identical(name):
                           _bits(kernels.decompress_sign(cpu, impl="cuda")))
 
 
-def test_out_parameter_on_the_cuda_path():
+def test_out_parameters_on_the_cuda_path():
     x, chunk = CASES["ragged"]
-    buf = kernels.quantize_minmax_uint8(x, chunk, impl="cuda")
+    slot = np.full(kernels.compressed_nbytes(x.size, chunk), 0xAB, np.uint8)
+    buf = kernels.quantize_minmax_uint8(x, chunk, out=slot, impl="cuda")
+    assert buf is slot
+    assert np.array_equal(slot, kernels.quantize_minmax_uint8(x, chunk, impl="cpu"))
     out = np.full(x.size, np.nan, F32)
     assert kernels.dequantize_minmax_uint8(buf, out=out, impl="cuda") is out
     assert np.array_equal(out, kernels.dequantize_minmax_uint8(buf, impl="cpu"))
+    slot = np.full(kernels.compressed_nbytes(x.size, chunk, "sign1"), 0xAB, np.uint8)
+    kernels.compress_sign(x, np.zeros_like(x), chunk, out=slot, impl="cuda")
+    assert np.array_equal(slot, kernels.compress_sign(x, np.zeros_like(x), chunk, impl="cpu"))
 
 
 @pytest.mark.parametrize("impl", ["cpu", "cuda"])

@@ -63,3 +63,14 @@ def test_mixing_numpy_and_torch_is_rejected():
         kernels.dequantize_minmax_uint8(buf, out=torch.empty(100))
     with pytest.raises(TypeError, match="residual must be a numpy array"):
         kernels.compress_sign(x, torch.zeros(100), 16)
+
+
+def test_compressors_fill_an_out_tensor():
+    x = torch.randn(1000)
+    slot = torch.empty(kernels.compressed_nbytes(1000, 128), dtype=torch.uint8)
+    assert kernels.quantize_minmax_uint8(x, 128, out=slot) is slot
+    assert np.array_equal(slot.numpy(), kernels.quantize_minmax_uint8(x.numpy(), 128))
+    slot = torch.empty(kernels.compressed_nbytes(1000, 128, "sign1"), dtype=torch.uint8)
+    assert kernels.compress_sign(x, torch.zeros(1000), 128, out=slot) is slot
+    assert np.array_equal(slot.numpy(),
+                          kernels.compress_sign(x.numpy(), np.zeros(1000, F32), 128))
