@@ -7,9 +7,10 @@ Buffers of the same kind, element count and chunk size always have the same leng
 
 API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)::
 
-    quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, impl=None) -> Array[uint8]
+    quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, out=None, impl=None)
+        -> Array[uint8]
     dequantize_minmax_uint8(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
-    compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, impl=None)
+    compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, out=None, impl=None)
         -> Array[uint8]                               # updates residual in place
     decompress_sign(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
     decompress(buf: Array, out=None, *, impl=None) -> Array[f32]   # either kind
@@ -19,9 +20,11 @@ API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)
 Inputs of any shape are read flattened, as float32 (float16, float64 and torch bfloat16
 are converted first; float64 values beyond the float32 range become Inf and are
 rejected). Outputs are of the input's kind and on its device: numpy in, numpy out;
-torch in, torch out on the same device; cupy in, cupy out. Decompression returns a new
-1-D float32 array, or fills ``out`` (float32, C-contiguous, same kind and device, any
-shape with ``numel`` elements) in place and returns it.
+torch in, torch out on the same device; cupy in, cupy out. Every function returns a new
+1-D array, or fills ``out`` in place and returns it: for compressors a C-contiguous uint8
+array of exactly ``compressed_nbytes(...)`` elements (say, one slot of an alltoall send
+buffer), for decompressors a C-contiguous float32 array of ``numel`` elements, any
+shape; always of the input's kind and device.
 
 ``impl`` forces the implementation: ``"cpu"`` (Numba, parallel over chunks) or
 ``"cuda"`` (Numba CUDA kernels; ``NUMBA_ENABLE_CUDASIM=1`` runs them on the simulator).
@@ -32,8 +35,9 @@ says to ``pip install 'commlib[cuda]'``.
 
 Min-max uint8 (per chunk of ``chunk_size`` elements, the last one may be shorter): stores
 the chunk's min and max as float32 and one code per element,
-``q = rint((x - min) / (max - min) * 255)``, decoded as
-``x' = min(min + (q / 255) * (max - min), max)``. Constant chunks are exact. The error
+``q = rint((x - min) * (255 / (max - min)))``, decoded as
+``x' = min(min + (q * (1 / 255)) * (max - min), max)`` (float32 throughout; the exact
+sequence of operations is in ``kernels._arith``). Constant chunks are exact. The error
 per element is at most ``(max - min) / 510`` plus float32 rounding.
 
 1-bit sign with error feedback: compresses ``v = x + residual``; stores per chunk the
@@ -47,9 +51,16 @@ and, for the sign compressor, ``residual`` is left unchanged. A chunk whose
 ``max - min`` overflows float32 (values of opposite sign near 3.4e38) is rejected the
 same way. Decompression trusts the buffer's contents after validating its header.
 
+The CPU kernels run on Numba's thread pool (``NUMBA_NUM_THREADS``); inputs under 64 Ki
+elements run on the calling thread. With several MPI ranks on one node, give each rank
+its share of the cores: an oversubscribed pool (the OpenMP layer in particular) was
+measured 10-100x slower.
+
 Exact float32 arithmetic (``kernels._arith``) is shared by the CPU twin and the CUDA
-kernel; under the CUDA simulator both give byte-identical buffers, and on a GPU they
-agree to within one quantization level (the GPU compiler may fuse multiply-adds).
+kernel; under the CUDA simulator both give byte-identical buffers. On a GPU the
+compressed bytes should match too (no step is a multiply followed by an add, which the
+GPU compiler could fuse), and are tested to agree within one quantization level;
+dequantized values may differ in the last bits where the GPU fuses ``lo + a * rng``.
 """
 from ._api import (DEFAULT_CHUNK_SIZE, compress_sign, compressed_nbytes, decompress,
                    decompress_sign, dequantize_minmax_uint8, quantize_minmax_uint8,

@@ -82,33 +82,33 @@ def _cpu_threads(numel: int) -> Iterator[None]:
         numba.set_num_threads(previous)
 
 
-def _host_buffer(lay: Layout) -> np.ndarray:
-    buf = np.empty(lay.nbytes, np.uint8)
+def _write_header(buf: np.ndarray, lay: Layout) -> None:
     buf[:HEADER_NBYTES] = pack_header(lay)
     buf[lay.data_offset + lay.data_nbytes:] = 0
-    return buf
 
 
 def _raise_for_status(status: np.ndarray, lay: Layout, what: str, reasons: dict,
                       consequence: str) -> None:
+    if not status.any():
+        return
     bad = np.flatnonzero(status)
-    if bad.size:
-        c = int(bad[0])
-        first, last = c * lay.chunk_size, min((c + 1) * lay.chunk_size, lay.numel) - 1
-        raise ValueError(f"{what}: chunk {c} (elements {first}..{last}) "
-                         f"{reasons[int(status[c])]}; {bad.size} of {lay.nchunks} chunks "
-                         f"are affected; {consequence}")
+    c = int(bad[0])
+    first, last = c * lay.chunk_size, min((c + 1) * lay.chunk_size, lay.numel) - 1
+    raise ValueError(f"{what}: chunk {c} (elements {first}..{last}) "
+                     f"{reasons[int(status[c])]}; {bad.size} of {lay.nchunks} chunks "
+                     f"are affected; {consequence}")
 
 
-def _host_float_output(like: Array, kind: str, n: int, out: Array | None):
-    """(flat host float32 array to fill, call returning the caller-visible result)."""
+def _host_output(like: Array, kind: str, n: int, dtype: str, out: Array | None):
+    """(flat host array of ``dtype`` to fill, call returning the caller-visible result:
+    ``out`` itself when given, else a new array of ``like``'s kind and device)."""
     if out is None:
-        host = np.empty(n, np.float32)
+        host = np.empty(n, dtype)
         return host, lambda: A.like_host(host, like, kind)
     view = A.host_inplace(out, kind)
     if view is not None:
         return view, lambda: out
-    host = np.empty(n, np.float32)
+    host = np.empty(n, dtype)
 
     def copy_back() -> Array:
         A.copy_from_host(out, kind, host)
@@ -116,14 +116,10 @@ def _host_float_output(like: Array, kind: str, n: int, out: Array | None):
     return host, copy_back
 
 
-def _check_out(out: Array | None, buf: Array, lay: Layout) -> None:
-    if out is None:
-        return
-    A.same_place(buf, out, "out")
-    A.check_float32_contiguous(out, A.kind_of(out), "out")
-    if A.numel(out, A.kind_of(out)) != lay.numel:
-        raise ValueError(f"out has {A.numel(out, A.kind_of(out))} elements, the buffer "
-                         f"holds {lay.numel}")
+def _check_out(out: Array | None, like: Array, dtype: str, n: int) -> None:
+    if out is not None:
+        A.same_place(like, out, "out")
+        A.check_writable(out, A.kind_of(out), "out", dtype, n)
 
 
 def _open(buf: Array, expected: str, out: Array | None) -> tuple[str, Layout]:
@@ -131,7 +127,16 @@ def _open(buf: Array, expected: str, out: Array | None) -> tuple[str, Layout]:
     lay = read_header(buf)
     if lay.kind != expected:
         raise ValueError(f"expected a {expected} buffer, got {lay.kind}")
-    _check_out(out, buf, lay)
+    _check_out(out, buf, "float32", lay.numel)
+    return kind, lay
+
+
+def _start(x: Array, kind_name: str, chunk_size: int, out: Array | None) -> tuple[str, Layout]:
+    """Validate a compressor's input and ``out``; return x's array kind and the layout."""
+    kind = A.kind_of(x)
+    A.check_float(x, kind, "x")
+    lay = make_layout(kind_name, A.numel(x, kind), chunk_size)
+    _check_out(out, x, "uint8", lay.nbytes)
     return kind, lay
 
 
@@ -143,8 +148,9 @@ _MINMAX_REASONS = {
 }
 
 
-def _quantize_cpu(x: Array, kind: str, lay: Layout) -> np.ndarray:
-    buf = _host_buffer(lay)
+def _quantize_cpu(x: Array, kind: str, lay: Layout, out: Array | None) -> Array:
+    buf, finish = _host_output(x, kind, lay.nbytes, "uint8", out)
+    _write_header(buf, lay)
     params, q = sections(buf, lay)
     status = np.zeros(lay.nchunks, np.uint8)
     with _cpu_threads(lay.numel):
@@ -153,13 +159,14 @@ def _quantize_cpu(x: Array, kind: str, lay: Layout) -> np.ndarray:
                                  status, _ntasks(lay.nchunks))
     _raise_for_status(status, lay, "quantize_minmax_uint8", _MINMAX_REASONS,
                       "nothing was returned")
-    return buf
+    return finish()
 
 
-def _quantize_cuda(x: Array, kind: str, lay: Layout) -> Array:
+def _quantize_cuda(x: Array, kind: str, lay: Layout, out: Array | None) -> Array:
     mod = _cuda_module("minmax")
     with D.on_device(x, kind):
-        dev, finish = D.new_buffer(x, kind, lay)
+        dev, finish = D.output(x, kind, lay.nbytes, "uint8", out)
+        D.write_header(dev, lay)
         params, q = sections(dev, lay)
         d_status = D.status_array(lay.nchunks)
         mod.quantize(D.to_device(x, kind, True), lay.chunk_size, params, q, d_status)
@@ -169,20 +176,21 @@ def _quantize_cuda(x: Array, kind: str, lay: Layout) -> Array:
 
 
 def quantize_minmax_uint8(x: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                          impl: str | None = None) -> Array:
+                          out: Array | None = None, impl: str | None = None) -> Array:
     """Chunked min-max uint8 quantization of ``x``.
 
     ``x``: any shape, float16/float32/float64 (or torch bfloat16); read as flat float32.
-    Returns a new 1-D uint8 array of ``compressed_nbytes(x.size, chunk_size)`` bytes, of
-    ``x``'s kind and device. ``impl``: ``"cpu"``, ``"cuda"`` or None (where ``x`` lives).
-    Raises ``ValueError`` if a chunk holds NaN/Inf or spans more than float32 can hold.
+    Returns a 1-D uint8 array of ``compressed_nbytes(x.size, chunk_size)`` bytes, of
+    ``x``'s kind and device: ``out`` (filled in place; uint8, C-contiguous, exactly that
+    many elements, e.g. one slot of an alltoall send buffer) when given, else a new one.
+    ``impl``: ``"cpu"``, ``"cuda"`` or None (where ``x`` lives).
+    Raises ``ValueError`` if a chunk holds NaN/Inf or spans more than float32 can hold;
+    ``out`` then holds garbage.
     """
-    kind = A.kind_of(x)
-    A.check_float(x, kind, "x")
-    lay = make_layout(MINMAX_UINT8, A.numel(x, kind), chunk_size)
+    kind, lay = _start(x, MINMAX_UINT8, chunk_size, out)
     if _impl(impl, A.is_gpu(x, kind), lay.numel) == "cpu":
-        return A.like_host(_quantize_cpu(x, kind, lay), x, kind)
-    return _quantize_cuda(x, kind, lay)
+        return _quantize_cpu(x, kind, lay, out)
+    return _quantize_cuda(x, kind, lay, out)
 
 
 def dequantize_minmax_uint8(buf: Array, out: Array | None = None, *,
@@ -196,13 +204,13 @@ def dequantize_minmax_uint8(buf: Array, out: Array | None = None, *,
     kind, lay = _open(buf, MINMAX_UINT8, out)
     if _impl(impl, A.is_gpu(buf, kind), lay.numel) == "cpu":
         params, q = sections(A.host_uint8(buf, kind), lay)
-        host, finish = _host_float_output(buf, kind, lay.numel, out)
+        host, finish = _host_output(buf, kind, lay.numel, "float32", out)
         with _cpu_threads(lay.numel):
             _minmax_cpu.dequantize(params, q, lay.chunk_size, host)
         return finish()
     with D.on_device(buf, kind):
         params, q = sections(D.to_device(buf, kind, False), lay)
-        dev, finish = D.float_output(buf, kind, lay.numel, out)
+        dev, finish = D.output(buf, kind, lay.numel, "float32", out)
         _cuda_module("minmax").dequantize(params, q, lay.chunk_size, dev)
         return finish()
 
@@ -215,19 +223,13 @@ _SIGN_REASONS = {
 }
 
 
-def _check_residual(x: Array, kind: str, residual: Array) -> None:
-    A.same_place(x, residual, "residual")
-    A.check_float32_contiguous(residual, kind, "residual")
-    if A.numel(residual, kind) != A.numel(x, kind):
-        raise ValueError(f"residual has {A.numel(residual, kind)} elements, x has "
-                         f"{A.numel(x, kind)}")
-
-
-def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout) -> np.ndarray:
+def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout,
+                       out: Array | None) -> Array:
     xf = A.host_float32(x, kind)
     r = A.host_inplace(residual, kind)
     r_host = A.host_float32(residual, kind) if r is None else r
-    buf = _host_buffer(lay)
+    buf, finish = _host_output(x, kind, lay.nbytes, "uint8", out)
+    _write_header(buf, lay)
     scales, bits = sections(buf, lay)
     status = np.zeros(lay.nchunks, np.uint8)
     with _cpu_threads(lay.numel):
@@ -240,15 +242,17 @@ def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout) -> np.
             _sign_cpu.pack_signs(xf, r_host, lay.chunk_size, scales, bits, lay.bits_stride)
     if r is None:
         A.copy_from_host(residual, kind, r_host)
-    return buf
+    return finish()
 
 
-def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout) -> Array:
+def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout,
+                        out: Array | None) -> Array:
     mod = _cuda_module("sign")
     with D.on_device(x, kind):
         d_x = D.to_device(x, kind, True)
         d_r, write_back = D.inplace(residual, kind)
-        dev, finish = D.new_buffer(x, kind, lay)
+        dev, finish = D.output(x, kind, lay.nbytes, "uint8", out)
+        D.write_header(dev, lay)
         scales, bits = sections(dev, lay)
         d_status = D.status_array(lay.nchunks)
         mod.chunk_scales(d_x, d_r, lay.chunk_size, scales, d_status)
@@ -260,23 +264,23 @@ def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout) -> Ar
 
 
 def compress_sign(x: Array, residual: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                  impl: str | None = None) -> Array:
+                  out: Array | None = None, impl: str | None = None) -> Array:
     """1-bit sign compression of ``v = x + residual`` with error feedback.
 
     ``x``: any shape, float16/float32/float64 (or torch bfloat16); read as flat float32.
     ``residual``: caller-owned float32, C-contiguous, same kind, device and number of
     elements as ``x``, not overlapping ``x``; updated IN PLACE to
-    ``v - decompress_sign(result)``. Start it at zeros. Returns a new 1-D uint8 array of
-    ``compressed_nbytes(x.size, chunk_size, "sign1")`` bytes on ``x``'s device.
+    ``v - decompress_sign(result)``. Start it at zeros. Returns a 1-D uint8 array of
+    ``compressed_nbytes(x.size, chunk_size, "sign1")`` bytes on ``x``'s device; ``out``
+    and ``impl`` as for ``quantize_minmax_uint8``.
     Raises ``ValueError`` (residual untouched) if a chunk's mean |v| is not finite.
     """
-    kind = A.kind_of(x)
-    A.check_float(x, kind, "x")
-    _check_residual(x, kind, residual)
-    lay = make_layout(SIGN1, A.numel(x, kind), chunk_size)
+    kind, lay = _start(x, SIGN1, chunk_size, out)
+    A.same_place(x, residual, "residual")
+    A.check_writable(residual, kind, "residual", "float32", lay.numel)
     if _impl(impl, A.is_gpu(x, kind), lay.numel) == "cpu":
-        return A.like_host(_compress_sign_cpu(x, kind, residual, lay), x, kind)
-    return _compress_sign_cuda(x, kind, residual, lay)
+        return _compress_sign_cpu(x, kind, residual, lay, out)
+    return _compress_sign_cuda(x, kind, residual, lay, out)
 
 
 def decompress_sign(buf: Array, out: Array | None = None, *,
@@ -286,13 +290,13 @@ def decompress_sign(buf: Array, out: Array | None = None, *,
     kind, lay = _open(buf, SIGN1, out)
     if _impl(impl, A.is_gpu(buf, kind), lay.numel) == "cpu":
         scales, bits = sections(A.host_uint8(buf, kind), lay)
-        host, finish = _host_float_output(buf, kind, lay.numel, out)
+        host, finish = _host_output(buf, kind, lay.numel, "float32", out)
         with _cpu_threads(lay.numel):
             _sign_cpu.unpack_signs(scales, bits, lay.chunk_size, lay.bits_stride, host)
         return finish()
     with D.on_device(buf, kind):
         scales, bits = sections(D.to_device(buf, kind, False), lay)
-        dev, finish = D.float_output(buf, kind, lay.numel, out)
+        dev, finish = D.output(buf, kind, lay.numel, "float32", out)
         _cuda_module("sign").unpack_signs(scales, bits, lay.chunk_size, lay.bits_stride, dev)
         return finish()
 

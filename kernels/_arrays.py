@@ -45,13 +45,15 @@ def check_float(obj: Any, kind: str, what: str) -> None:
                         f"{dtype_name(obj, kind)}")
 
 
-def check_float32_contiguous(obj: Any, kind: str, what: str) -> None:
-    """For buffers written in place: float32 and C-contiguous, or ``TypeError``."""
-    if dtype_name(obj, kind) != "float32":
-        raise TypeError(f"{what} must be float32, got {dtype_name(obj, kind)}")
+def check_writable(obj: Any, kind: str, what: str, dtype: str, n: int) -> None:
+    """For buffers written in place: ``dtype``, C-contiguous, ``n`` elements."""
+    if dtype_name(obj, kind) != dtype:
+        raise TypeError(f"{what} must be {dtype}, got {dtype_name(obj, kind)}")
     contiguous = obj.is_contiguous() if kind == "torch" else obj.flags.c_contiguous
     if not contiguous:
-        raise ValueError(f"{what} must be C-contiguous (it is updated in place)")
+        raise ValueError(f"{what} must be C-contiguous (it is written in place)")
+    if numel(obj, kind) != n:
+        raise ValueError(f"{what} has {numel(obj, kind)} elements, {n} are needed")
 
 
 def same_place(a: Any, b: Any, what: str) -> None:
@@ -108,7 +110,8 @@ def host_uint8(obj: Any, kind: str, stop: int | None = None) -> np.ndarray:
 
 
 def host_inplace(obj: Any, kind: str) -> np.ndarray | None:
-    """Flat numpy view sharing ``obj``'s memory (host float32 contiguous), else None."""
+    """Flat numpy view sharing the contiguous ``obj``'s memory, or None if ``obj`` is
+    on a GPU."""
     if kind == "numpy":
         return obj.reshape(-1)
     if kind == "torch" and obj.device.type == "cpu":

@@ -43,43 +43,34 @@ def inplace(obj: Any, kind: str) -> tuple[Any, Callable[[], None]]:
     return dev, lambda: dev.copy_to_host(host)
 
 
-def new_buffer(like: Any, kind: str, lay: Layout) -> tuple[Any, Callable[[], Any]]:
-    """(device uint8 buffer with header and zero padding written, call returning the
-    finished buffer as an array of ``like``'s kind and device)."""
-    cuda = load_cuda()
-    if A.is_gpu(like, kind):
-        owned = A.gpu_empty(like, kind, lay.nbytes, "uint8")
-        dev = cuda.as_cuda_array(owned)
-        finish = lambda: owned  # noqa: E731
-    else:
-        dev = cuda.device_array(lay.nbytes, np.uint8)
-        finish = lambda: A.like_host(dev.copy_to_host(), like, kind)  # noqa: E731
-    dev[:HEADER_NBYTES].copy_to_device(pack_header(lay))
-    end = lay.data_offset + lay.data_nbytes
-    if end < lay.nbytes:
-        dev[end:].copy_to_device(np.zeros(lay.nbytes - end, np.uint8))
-    return dev, finish
-
-
-def float_output(like: Any, kind: str, n: int, out: Any | None) -> tuple[Any, Callable[[], Any]]:
-    """(device float32 (n,) array to write, call returning the caller-visible result:
+def output(like: Any, kind: str, n: int, dtype: str,
+           out: Any | None) -> tuple[Any, Callable[[], Any]]:
+    """(device (n,) array of ``dtype`` to write, call returning the caller-visible result:
     ``out`` itself when given, else a new array of ``like``'s kind and device)."""
     cuda = load_cuda()
     gpu = A.is_gpu(like, kind)
     if out is not None and gpu:
         return cuda.as_cuda_array(A.gpu_flat(out, kind, False)), lambda: out
     if out is not None:
-        dev = cuda.device_array(n, np.float32)
+        dev = cuda.device_array(n, dtype)
 
         def copy_back() -> Any:
             dev.copy_to_host(A.host_inplace(out, kind))
             return out
         return dev, copy_back
     if gpu:
-        owned = A.gpu_empty(like, kind, n, "float32")
+        owned = A.gpu_empty(like, kind, n, dtype)
         return cuda.as_cuda_array(owned), lambda: owned
-    dev = cuda.device_array(n, np.float32)
+    dev = cuda.device_array(n, dtype)
     return dev, lambda: A.like_host(dev.copy_to_host(), like, kind)
+
+
+def write_header(dev: Any, lay: Layout) -> None:
+    """Header and zero padding of the compressed device buffer ``dev``."""
+    dev[:HEADER_NBYTES].copy_to_device(pack_header(lay))
+    end = lay.data_offset + lay.data_nbytes
+    if end < lay.nbytes:
+        dev[end:].copy_to_device(np.zeros(lay.nbytes - end, np.uint8))
 
 
 def status_array(nchunks: int) -> Any:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import struct
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -55,35 +56,37 @@ assert _HEADER.size == HEADER_NBYTES
 
 @dataclass(frozen=True)
 class Layout:
-    """Where everything lives in a compressed buffer of one ``(kind, numel, chunk_size)``."""
+    """Where everything lives in a compressed buffer of one ``(kind, numel, chunk_size)``.
+
+    Derived sizes are cached: they are read several times per call on the hot path."""
 
     kind: str
     numel: int
     chunk_size: int
 
-    @property
+    @cached_property
     def nchunks(self) -> int:
         return -(-self.numel // self.chunk_size)
 
-    @property
+    @cached_property
     def params_shape(self) -> tuple[int, ...]:
         per = _PARAMS_PER_CHUNK[self.kind]
         return (self.nchunks, per) if per > 1 else (self.nchunks,)
 
-    @property
+    @cached_property
     def params_offset(self) -> int:
         return HEADER_NBYTES
 
-    @property
+    @cached_property
     def data_offset(self) -> int:
         return HEADER_NBYTES + 4 * _PARAMS_PER_CHUNK[self.kind] * self.nchunks
 
-    @property
+    @cached_property
     def bits_stride(self) -> int:
         """sign1 only: bytes from one chunk's sign bits to the next chunk's."""
         return -(-self.chunk_size // 8)
 
-    @property
+    @cached_property
     def data_nbytes(self) -> int:
         if self.kind == MINMAX_UINT8:
             return self.numel
@@ -92,7 +95,7 @@ class Layout:
         last = self.numel - (self.nchunks - 1) * self.chunk_size
         return (self.nchunks - 1) * self.bits_stride + -(-last // 8)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         end = self.data_offset + self.data_nbytes
         return -(-end // ALIGN) * ALIGN

@@ -5,46 +5,54 @@ Performance notes (why the code looks the way it does):
 * Every chunk is processed through a slice view indexed from 0. Indexing the whole
   array with ``range(start, stop)`` makes Numba emit negative-index wraparound checks,
   which stops LLVM from vectorizing the loop (measured: 4x slower).
-* Without fastmath LLVM will not vectorize a float min/max reduction, so the min/max
-  pass keeps ``LANES`` independent accumulators and folds them at the end; min and max
-  do not depend on order, so this matches the CUDA kernel bit for bit.
-* Scratch arrays are allocated once per task (a run of consecutive chunks), not once
-  per chunk: an allocation inside the parallel loop costs as much as a small chunk.
+* Without fastmath LLVM does not vectorize a float min/max reduction. The range pass
+  therefore works on the float bits as int32 *keys* that sort like the floats
+  (``_key``): integer min/max reductions vectorize freely, and the largest magnitude
+  bits tell at once whether the chunk holds an Inf or NaN. Min and max are exact, so
+  this agrees with the CUDA kernel's float min/max bit for bit (after the +0.0 that
+  settles -0.0 versus +0.0). Measured 35 GB/s per core in cache, against 15 for float
+  compares on 32 accumulator lanes.
+* Every integer constant is an ``np.int32``: Numba widens int32 arithmetic with
+  plain Python ints to int64, which halves the vector width.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from ._arith import F0, F255, INF, LANES, NON_FINITE, OK, RANGE_OVERFLOW
+from ._arith import (F0, F1, F255, INF, INV255, NON_FINITE, OK, RANGE_OVERFLOW, TINY_PRE,
+                     TINY_RANGE)
+
+_MAGNITUDE = np.int32(0x7FFFFFFF)
+_EXPONENT = np.int32(0x7F800000)  # magnitude bits >= this: Inf or NaN
+_SIGN_SHIFT = np.int32(31)
+_KEY_MAX = np.int32(0x7FFFFFFF)
+_KEY_MIN = np.int32(-0x80000000)
+
 
 @njit(cache=True, inline="always")
-def _fold(lo_l, hi_l, z_l, v, j):
-    lo_l[j] = v if v < lo_l[j] else lo_l[j]
-    hi_l[j] = v if v > hi_l[j] else hi_l[j]
-    # v * 0 is 0 for finite v and NaN for NaN/inf; the sum keeps any NaN.
-    z_l[j] += v * F0
+def _key(bits):
+    """int32 key ordering float32 bit patterns like their values (-0.0 before +0.0);
+    applying it twice gives the bits back."""
+    return np.int32(bits ^ np.int32(np.int32(bits >> _SIGN_SHIFT) & _MAGNITUDE))
 
 
 @njit(cache=True, inline="always")
-def _chunk_range(xs, scratch):
-    """(lo, hi, finite) of the non-empty float32 slice ``xs``."""
-    lo_l, hi_l, z_l = scratch[0], scratch[1], scratch[2]
-    lo_l[:] = xs[0]
-    hi_l[:] = xs[0]
-    z_l[:] = F0
-    full = xs.size // LANES * LANES
-    for base in range(0, full, LANES):
-        for j in range(LANES):
-            _fold(lo_l, hi_l, z_l, xs[base + j], j)
-    for j in range(xs.size - full):
-        _fold(lo_l, hi_l, z_l, xs[full + j], j)
-    lo, hi, z = lo_l[0], hi_l[0], z_l[0]
-    for j in range(1, LANES):
-        lo = min(lo, lo_l[j])
-        hi = max(hi, hi_l[j])
-        z += z_l[j]
-    return lo + F0, hi + F0, z == F0
+def _chunk_range(bits, scratch):
+    """(lo, hi, finite) of a non-empty chunk given as its int32 bit patterns;
+    ``scratch`` is a 2-element int32 array used to turn bits back into floats."""
+    kmin, kmax, amax = _KEY_MAX, _KEY_MIN, np.int32(0)
+    for i in range(bits.size):
+        b = bits[i]
+        k = _key(b)
+        a = np.int32(b & _MAGNITUDE)
+        kmin = k if k < kmin else kmin
+        kmax = k if k > kmax else kmax
+        amax = a if a > amax else amax
+    scratch[0] = _key(kmin)
+    scratch[1] = _key(kmax)
+    floats = scratch.view(np.float32)
+    return floats[0] + F0, floats[1] + F0, amax < _EXPONENT
 
 
 @njit(cache=True, inline="always")
@@ -52,8 +60,14 @@ def _quantize_chunk(xs, qs, lo, rng):
     if rng == F0:
         qs[:] = 0
         return
-    for i in range(xs.size):
-        qs[i] = np.int32(np.rint(((xs[i] - lo) / rng) * F255))
+    pre = TINY_PRE if rng < TINY_RANGE else F1
+    scale = F255 / (rng * pre)
+    if pre == F1:  # multiplying by 1 is exact: the same bytes without the extra multiply
+        for i in range(xs.size):
+            qs[i] = np.int32(np.rint((xs[i] - lo) * scale))
+    else:
+        for i in range(xs.size):
+            qs[i] = np.int32(np.rint(((xs[i] - lo) * pre) * scale))
 
 
 @njit(cache=True, inline="always")
@@ -69,12 +83,12 @@ def quantize(x, chunk_size, params, q, status, ntasks):
     consecutive chunks. Chunks with a bad status are left unquantized; the caller must
     raise instead of using the output."""
     nchunks = params.shape[0]
+    bits = x.view(np.int32)
     for t in prange(ntasks):
-        scratch = np.empty((3, LANES), np.float32)
+        scratch = np.empty(2, np.int32)
         for c in range(t * nchunks // ntasks, (t + 1) * nchunks // ntasks):
             start, stop = _chunk_bounds(c, chunk_size, x.size)
-            xs = x[start:stop]
-            lo, hi, finite = _chunk_range(xs, scratch)
+            lo, hi, finite = _chunk_range(bits[start:stop], scratch)
             params[c, 0] = lo
             params[c, 1] = hi
             rng = hi - lo
@@ -84,7 +98,7 @@ def quantize(x, chunk_size, params, q, status, ntasks):
                 status[c] = RANGE_OVERFLOW
             else:
                 status[c] = OK
-                _quantize_chunk(xs, q[start:stop], lo, rng)
+                _quantize_chunk(x[start:stop], q[start:stop], lo, rng)
 
 
 @njit(parallel=True, cache=True)
@@ -99,5 +113,5 @@ def dequantize(params, q, chunk_size, out):
         hi = params[c, 1]
         rng = hi - lo
         for i in range(qs.size):
-            v = lo + (np.float32(qs[i]) / F255) * rng
+            v = lo + (np.float32(qs[i]) * INV255) * rng
             os[i] = v if v < hi else hi

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arith import (ELEMENT_BLOCK, F0, F255, INF, LANES, NON_FINITE, OK, RANGE_OVERFLOW,
-                     WARPS_PER_BLOCK)
+from ._arith import (ELEMENT_BLOCK, F0, F1, F255, INF, INV255, LANES, NON_FINITE, OK,
+                     RANGE_OVERFLOW, TINY_PRE, TINY_RANGE, WARPS_PER_BLOCK)
 from ._cuda import load_cuda
 
 cuda = load_cuda()
@@ -62,8 +62,14 @@ def _quantize_kernel(x, chunk_size, params, q, status):
         status[c] = code
     if code != OK:
         return
+    if rng == F0:
+        for i in range(start + lane, stop, LANES):
+            q[i] = 0
+        return
+    pre = TINY_PRE if rng < TINY_RANGE else F1
+    scale = F255 / (rng * pre)
     for i in range(start + lane, stop, LANES):
-        q[i] = 0 if rng == F0 else round(((x[i] - lo) / rng) * F255)
+        q[i] = round(((x[i] - lo) * pre) * scale)
 
 
 @cuda.jit
@@ -74,7 +80,7 @@ def _dequantize_kernel(params, q, chunk_size, out):
     c = i // chunk_size
     lo = params[c, 0]
     hi = params[c, 1]
-    v = lo + (np.float32(q[i]) / F255) * (hi - lo)
+    v = lo + (np.float32(q[i]) * INV255) * (hi - lo)
     out[i] = v if v < hi else hi
 
 

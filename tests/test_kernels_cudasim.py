@@ -23,17 +23,22 @@ F32 = np.float32
 def _inputs():
     rng = np.random.default_rng(2024)
     wide = (rng.standard_normal(2001) * np.exp(rng.uniform(-20, 20, 2001))).astype(F32)
-    mixed = rng.standard_normal(2000).astype(F32)
+    mixed = rng.standard_normal(1500).astype(F32)
     mixed[:300] = 4.0                       # constant chunks
     mixed[300:310] = [-0.0, 0.0] * 5        # signed zeros deciding min/max
     mixed[400:420] = F32(1e-44)             # subnormals
+    tiny = np.concatenate([
+        F32(1e-30) * (1 + rng.integers(0, 9, 64) * F32(1.2e-7)),  # range < 2**-64, normal
+        rng.integers(-20, 20, 64).astype(F32) * F32(1e-45),       # subnormal steps
+    ]).astype(F32)
     return {
+        "tiny-ranges": (tiny, 64),
         "empty": (np.zeros(0, F32), 16),
         "single": (np.array([-2.5], F32), 1),
-        "ragged": (rng.standard_normal(1000).astype(F32), 96),
+        "ragged": (rng.standard_normal(500).astype(F32), 96),
         "wide-range": (wide, 257),
         "mixed": (mixed, 250),
-        "odd-chunks": (rng.standard_normal(300).astype(F32), 13),
+        "odd-chunks": (rng.standard_normal(200).astype(F32), 13),
         "one-chunk": (rng.uniform(-1, 1, 2048).astype(F32), 2048),
     }
 
@@ -68,12 +73,18 @@ def test_sign_compress_is_byte_identical(name):
                           _bits(kernels.decompress_sign(cpu, impl="cuda")))
 
 
-def test_out_parameter_on_the_cuda_path():
+def test_out_parameters_on_the_cuda_path():
     x, chunk = CASES["ragged"]
-    buf = kernels.quantize_minmax_uint8(x, chunk, impl="cuda")
+    slot = np.full(kernels.compressed_nbytes(x.size, chunk), 0xAB, np.uint8)
+    buf = kernels.quantize_minmax_uint8(x, chunk, out=slot, impl="cuda")
+    assert buf is slot
+    assert np.array_equal(slot, kernels.quantize_minmax_uint8(x, chunk, impl="cpu"))
     out = np.full(x.size, np.nan, F32)
     assert kernels.dequantize_minmax_uint8(buf, out=out, impl="cuda") is out
     assert np.array_equal(out, kernels.dequantize_minmax_uint8(buf, impl="cpu"))
+    slot = np.full(kernels.compressed_nbytes(x.size, chunk, "sign1"), 0xAB, np.uint8)
+    kernels.compress_sign(x, np.zeros_like(x), chunk, out=slot, impl="cuda")
+    assert np.array_equal(slot, kernels.compress_sign(x, np.zeros_like(x), chunk, impl="cpu"))
 
 
 @pytest.mark.parametrize("impl", ["cpu", "cuda"])

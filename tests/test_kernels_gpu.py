@@ -44,9 +44,10 @@ def test_minmax_within_one_level(n, chunk):
     assert diff.max(initial=0) <= 1
     a = kernels.dequantize_minmax_uint8(cpu, impl="cpu")
     b = kernels.dequantize_minmax_uint8(cpu, impl="cuda")
+    # a fused multiply-add rounds once instead of twice: a few ulps of the chunk's scale
     params = cpu[32:start].view(F32).reshape(-1, 2)
-    level = np.repeat((params[:, 1] - params[:, 0]) / 255, chunk)[:n]
-    assert np.all(np.abs(a - b) <= level * 1e-3 + 4 * np.finfo(F32).eps * np.abs(a))
+    magnitude = np.repeat(np.abs(params).max(axis=1), chunk)[:n]
+    assert np.all(np.abs(a - b) <= 4 * np.finfo(F32).eps * magnitude)
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 1), (1000, 96), (1 << 20, 2048), (123457, 1000)])

@@ -68,6 +68,35 @@ def test_pieces_laid_end_to_end_decode_alone():
         assert np.array_equal(kernels.decompress(piece), direct)
 
 
+def test_compressing_into_slots_of_one_send_buffer():
+    rng = np.random.default_rng(2)
+    parts = [rng.standard_normal(250).astype(np.float32) for _ in range(3)]
+    q_size = kernels.compressed_nbytes(250, 64)
+    s_size = kernels.compressed_nbytes(250, 64, "sign1")
+    send_q = np.full(3 * q_size, 0xAB, np.uint8)
+    send_s = np.full(3 * s_size, 0xAB, np.uint8)
+    for i, p in enumerate(parts):
+        slot = send_q[i * q_size:(i + 1) * q_size]
+        assert kernels.quantize_minmax_uint8(p, 64, out=slot) is slot
+        kernels.compress_sign(p, np.zeros_like(p), 64, out=send_s[i * s_size:(i + 1) * s_size])
+    for i, p in enumerate(parts):
+        assert np.array_equal(send_q[i * q_size:(i + 1) * q_size],
+                              kernels.quantize_minmax_uint8(p, 64))
+        assert np.array_equal(send_s[i * s_size:(i + 1) * s_size],
+                              kernels.compress_sign(p, np.zeros_like(p), 64))
+
+
+@pytest.mark.parametrize("out,error,message", [
+    (np.empty(10, np.uint8), ValueError, "out has 10 elements"),
+    (np.empty(kernels.compressed_nbytes(100, 16), np.int8), TypeError, "out must be uint8"),
+    (np.empty((kernels.compressed_nbytes(100, 16), 2), np.uint8)[:, 0], ValueError,
+     "C-contiguous"),
+])
+def test_bad_compressor_out_is_rejected(out, error, message):
+    with pytest.raises(error, match=message):
+        kernels.quantize_minmax_uint8(np.ones(100, np.float32), 16, out=out)
+
+
 def test_read_header_reports_layout():
     buf = kernels.quantize_minmax_uint8(np.zeros(100, np.float32), 30)
     lay = kernels.read_header(buf)
