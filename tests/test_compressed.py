@@ -10,26 +10,32 @@ from commlib.primitives import CompressionState, compressed_allreduce
 CHUNK = 64
 
 
+F = np.float32
+
+
 def quantize(x, chunk):
-    """Independent numpy version of kernels' min-max uint8 (float32 throughout)."""
-    x = x.astype(np.float32)
+    """Independent numpy version of kernels' min-max uint8, from the formulas documented in
+    kernels/_arith.py (float32 throughout)."""
+    x = x.astype(F)
     q = np.zeros(x.shape, np.uint8)
     params = []
     for s in range(0, len(x), chunk):
         c = x[s:s + chunk]
-        lo, hi = c.min() + np.float32(0), c.max() + np.float32(0)
-        rng = np.float32(hi - lo)
+        lo, hi = c.min() + F(0), c.max() + F(0)
+        rng = F(hi - lo)
         if rng != 0:
-            q[s:s + chunk] = np.rint(((c - lo) / rng) * np.float32(255)).astype(np.uint8)
+            pre = F(2.0 ** 64) if rng < F(2.0 ** -64) else F(1)
+            scale = F(255) / (rng * pre)
+            q[s:s + chunk] = np.rint(((c - lo) * pre) * scale).astype(np.uint8)
         params.append((lo, hi, rng))
     return q, params
 
 
 def dequantize(q, params, chunk):
-    out = np.empty(q.shape, np.float32)
+    out = np.empty(q.shape, F)
     for i, (lo, hi, rng) in enumerate(params):
         s = i * chunk
-        v = lo + (q[s:s + chunk].astype(np.float32) / np.float32(255)) * rng
+        v = lo + (q[s:s + chunk].astype(F) * F(1.0 / 255.0)) * rng
         out[s:s + chunk] = np.minimum(v, hi)
     return out
 

@@ -101,8 +101,19 @@ def _hierarchical(tensor: Any, op: ReduceOp, comm: Any, method: str, chunk_size:
     return tensor
 
 
+def _cpu_share() -> int:
+    """CPU threads this rank's compression kernels may use: the node's cores divided among
+    its ranks (Numba's pool stalls badly when ranks together ask for more threads than
+    there are cores)."""
+    import os
+    from .. import runtime
+    return max(1, (os.cpu_count() or 1) // runtime.get_local_size())
+
+
 def _exchange(flat: Any, average: bool, comm: Any, method: str, chunk_size: int,
               state: CompressionState | None) -> Any:
+    import numba
+    numba.set_num_threads(min(_cpu_share(), numba.config.NUMBA_NUM_THREADS))
     n = comm.size
     part = -(-flat.shape[0] // n) if flat.shape[0] else 0
     padded = _padded(flat, n * part)
