@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed blocks per implementation and size; median taken (11)")
     p.add_argument("--block-ms", type=float, default=10.0,
                    help="target duration of one timed block, sets iterations (10 ms)")
-    p.add_argument("--min-iters", type=int, default=3, help="iterations per block, at least")
+    p.add_argument("--min-iters", type=int, default=2, help="iterations per block, at least")
     p.add_argument("--max-iters", type=int, default=1000, help="iterations per block, at most")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the commlib-vs-mpi4py result comparison")
@@ -183,9 +183,14 @@ def case_reduce_scatter(ctx: Ctx, count: int) -> Case:
     return Case(lambda: commlib.reduce_scatter(obj), raw, [arr], count)
 
 
+def elements(ctx: Ctx, op: str, nbytes: int) -> int:
+    """Elements per rank for a nominal size (alltoall: whole elements for every rank)."""
+    count = max(1, nbytes // ctx.dtype.itemsize)
+    return -(-count // ctx.n) * ctx.n if op == "alltoall" else count
+
+
 def case_alltoall(ctx: Ctx, count: int) -> Case:
     import commlib
-    count = -(-count // ctx.n) * ctx.n       # whole elements for every rank
     obj, arr = ctx.buffer(count)
     out = np.empty(count, dtype=ctx.dtype)
     send, recv = ctx.msg(arr, count // ctx.n), ctx.msg(out, count // ctx.n)
@@ -251,9 +256,9 @@ def per_call_stats(snapshot: dict, iters: int) -> dict:
             for op, v in snapshot.items()}
 
 
-def measure(ctx: Ctx, op: str, nbytes: int, args: argparse.Namespace) -> dict:
+def measure(ctx: Ctx, op: str, count: int, args: argparse.Namespace) -> dict:
     import commlib
-    case = CASES[op](ctx, max(1, nbytes // ctx.dtype.itemsize))
+    case = CASES[op](ctx, count)
     ok = check(ctx, case) if args.check else None
     for a in case.inputs:
         a[...] = 0                      # stable values: SUM of zeros never overflows
@@ -354,9 +359,11 @@ def run(args: argparse.Namespace, ctx: Ctx) -> dict[str, list[dict]]:
                unit="case", dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 30)   # quiet in log files
     for op in ops:
-        for nbytes in sizes:
-            bar.set_postfix_str(f"{op} {C.fmt_size(nbytes)}")
-            results[op].append(measure(ctx, op, nbytes, args))
+        counts = sorted({elements(ctx, op, nbytes) for nbytes in sizes})
+        bar.update(len(sizes) - len(counts))
+        for count in counts:
+            bar.set_postfix_str(f"{op} {C.fmt_size(count * ctx.dtype.itemsize)}")
+            results[op].append(measure(ctx, op, count, args))
             bar.update()
     bar.close()
     return results
