@@ -108,6 +108,15 @@ def summarize(samples: Sequence[float]) -> dict[str, Any]:
             "samples_us": us}
 
 
+def per_call(snapshot: dict[str, dict[str, int]], iters: int) -> dict[str, dict[str, float]]:
+    """A ``commlib.stats()`` snapshot of one timed block of ``iters`` iterations, per call:
+    what this rank handed to MPI (``bytes``) and put on the wire (``bus_bytes``)."""
+    return {op: {"calls_per_iter": v["calls"] / iters,
+                 "bytes_per_call": v["bytes"] / max(v["calls"], 1),
+                 "bus_bytes_per_call": v["bus_bytes"] / max(v["calls"], 1)}
+            for op, v in snapshot.items()}
+
+
 def gbps(nbytes: float, seconds: float) -> float:
     """Bandwidth in GB/s (10^9 bytes per second, the nccl-tests and OSU unit)."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
