@@ -7,8 +7,9 @@ time with no peer to wait for: the full commlib call, the raw mpi4py call it wra
 each bookkeeping step of ``commlib.allreduce`` on its own (buffer adaptation, reduce-op
 lookup, checking-mode test, byte counters, watchdog arm/disarm, result finishing), plus
 the full calls of the other collectives. Each row is the best of ``--repeat`` loops of
-``--number`` calls. This is a diagnostic for commlib's developers: it calls commlib
-internals (``commlib.buffers.adapt``, ``commlib.stats.record``...) by name.
+``--number`` calls; rows take turns so that machine noise hits all of them alike. This is
+a diagnostic for commlib's developers: it calls commlib internals
+(``commlib.buffers.adapt``, ``commlib.stats.record``...) by name.
 """
 from __future__ import annotations
 
@@ -27,17 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 
-def best_ns(fn: Callable[[], Any], number: int, repeat: int) -> float:
-    """Fastest of ``repeat`` loops of ``number`` calls, in nanoseconds per call."""
-    for _ in range(min(number, 1000)):
-        fn()
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
+def best_ns(fns: dict[str, Callable[[], Any]], number: int, repeat: int) -> dict[str, float]:
+    """Per row, the fastest of ``repeat`` loops of ``number`` calls (ns per call). Rows take
+    turns (round robin), so a slow phase of the machine hits every row alike."""
+    best = dict.fromkeys(fns, math.inf)
+    for fn in fns.values():
+        for _ in range(min(number, 1000)):
             fn()
-        best = min(best, (time.perf_counter() - t0) / number)
-    return best * 1e9
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / number * 1e9)
+    return best
 
 
 def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
@@ -82,6 +86,22 @@ def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
         "commlib.reduce_scatter (total)": lambda: commlib.reduce_scatter(obj),
         "commlib.alltoall (total)": lambda: commlib.alltoall(obj),
         "commlib.barrier (total)": lambda: commlib.barrier(),
+        **(torch_steps(obj) if use_torch else {}),
+    }
+
+
+def torch_steps(t: Any) -> dict[str, Callable[[], Any]]:
+    """What ``buffers.adapt`` does with a CPU torch tensor, step by step."""
+    from commlib import dtypes, options
+    return {
+        "torch adapt: dtypes.from_torch(t.dtype)": lambda: dtypes.from_torch(t.dtype),
+        "torch adapt: t.requires_grad": lambda: t.requires_grad,
+        "torch adapt: t.detach()": lambda: t.detach(),
+        "torch adapt: t.device.type": lambda: t.device.type,
+        "torch adapt: options.force_staging": lambda: options.force_staging,
+        "torch adapt: t.is_contiguous()": lambda: t.is_contiguous(),
+        "torch adapt: t.numpy()": lambda: t.numpy(),
+        "torch adapt: tuple(t.shape)": lambda: tuple(t.shape),
     }
 
 
@@ -89,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=C.parse_size, default=8, help="buffer bytes (8 B)")
     p.add_argument("--torch", action="store_true", help="CPU torch tensor instead of numpy")
-    p.add_argument("--number", type=int, default=20000, help="calls per timed loop")
-    p.add_argument("--repeat", type=int, default=7, help="timed loops; the best is kept")
+    p.add_argument("--number", type=int, default=2000, help="calls per timed loop")
+    p.add_argument("--repeat", type=int, default=40, help="timed loops; the best is kept")
     p.add_argument("--cprofile", action="store_true",
                    help="also print cProfile's top functions for commlib.allreduce")
     p.add_argument("--json", type=Path, help="write the rows as JSON")
@@ -98,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     import commlib
     commlib.init()
     count = max(1, args.size // 4)
-    table = {name: best_ns(fn, args.number, args.repeat)
-             for name, fn in steps(count, args.torch).items()}
+    table = best_ns(steps(count, args.torch), args.number, args.repeat)
     total = table["commlib.allreduce (total)"]
     raw = table["raw comm.Allreduce(IN_PLACE, [a, n, FLOAT], SUM)"]
     rows = [[k, f"{v:8.0f}"] for k, v in table.items()]
