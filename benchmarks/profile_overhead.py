@@ -1,0 +1,141 @@
+"""Where commlib's per-call host time goes: each step of a small collective, timed alone.
+
+    python benchmarks/profile_overhead.py [--size 8] [--torch] [--cprofile] [--json PATH]
+
+Runs in one process (an MPI singleton; no mpiexec needed), so every number is pure host
+time with no peer to wait for: the full commlib call, the raw mpi4py call it wraps, and
+each bookkeeping step of ``commlib.allreduce`` on its own (buffer adaptation, reduce-op
+lookup, checking-mode test, byte counters, watchdog arm/disarm, result finishing), plus
+the full calls of the other collectives. Each row is the best of ``--repeat`` loops of
+``--number`` calls; rows take turns so that machine noise hits all of them alike. This is
+a diagnostic for commlib's developers: it calls commlib internals
+(``commlib.buffers.adapt``, ``commlib.stats.record``...) by name.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import math
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+
+def best_ns(fns: dict[str, Callable[[], Any]], number: int, repeat: int) -> dict[str, float]:
+    """Per row, the fastest of ``repeat`` loops of ``number`` calls (ns per call). Rows take
+    turns (round robin), so a slow phase of the machine hits every row alike."""
+    best = dict.fromkeys(fns, math.inf)
+    for fn in fns.values():
+        for _ in range(min(number, 1000)):
+            fn()
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / number * 1e9)
+    return best
+
+
+def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
+    """The full allreduce, its raw peer, and each step of commlib's allreduce path."""
+    import commlib
+    from mpi4py import MPI
+    from commlib import buffers, runtime
+    from commlib.primitives import _base
+    from commlib.reduce_ops import ReduceOp, mpi_op
+    counters = sys.modules["commlib.stats"]
+    arr = np.zeros(count, np.float32)
+    obj = arr
+    if use_torch:
+        import torch
+        obj = torch.from_numpy(arr)
+    comm, peer = runtime.world(), MPI.COMM_WORLD.Dup()
+    buf = buffers.adapt(obj, "tensor", "allreduce", 0, write=True)
+    msg, n = [arr, count, MPI.FLOAT], comm.size
+    return {
+        "commlib.allreduce (total)": lambda: commlib.allreduce(obj),
+        "raw comm.Allreduce(IN_PLACE, [a, n, FLOAT], SUM)":
+            lambda: peer.Allreduce(MPI.IN_PLACE, msg, MPI.SUM),
+        "  resolve(group=None)": lambda: _base.resolve(None, "allreduce"),
+        "  buffers.adapt(tensor, write=True)":
+            lambda: buffers.adapt(obj, "tensor", "allreduce", 0, write=True),
+        "    of which np.prod(shape) in Buf.__init__":
+            lambda: np.prod(buf.shape, dtype=np.int64),
+        "    (math.prod(shape), for comparison)": lambda: math.prod(buf.shape),
+        "  reduce_ops.mpi_op(SUM, float32)": lambda: mpi_op(ReduceOp.SUM, buf.dt, "ar", 0),
+        "  comm.checking (options.check lookup)": lambda: comm.checking,
+        "  stats.record": lambda: counters.record("allreduce", buf.nbytes, n),
+        "  buf.nbytes": lambda: buf.nbytes,
+        "  comm.arm + comm.disarm (watchdog)": lambda: (comm.arm("allreduce", buf),
+                                                         comm.disarm()),
+        "  buf.msg()": lambda: buf.msg(),
+        "  finish_reduce(SUM)": lambda: _base.finish_reduce(buf, ReduceOp.SUM, n),
+        "buffers.output (new result buffer)":
+            lambda: buffers.output(buf, (n, count), "allgather", 0),
+        "commlib.reduce (total)": lambda: commlib.reduce(obj),
+        "commlib.broadcast (total)": lambda: commlib.broadcast(obj),
+        "commlib.allgather (total)": lambda: commlib.allgather(obj),
+        "commlib.reduce_scatter (total)": lambda: commlib.reduce_scatter(obj),
+        "commlib.alltoall (total)": lambda: commlib.alltoall(obj),
+        "commlib.barrier (total)": lambda: commlib.barrier(),
+        **(torch_steps(obj) if use_torch else {}),
+    }
+
+
+def torch_steps(t: Any) -> dict[str, Callable[[], Any]]:
+    """What ``buffers.adapt`` does with a CPU torch tensor, step by step."""
+    from commlib import dtypes, options
+    return {
+        "torch adapt: dtypes.from_torch(t.dtype)": lambda: dtypes.from_torch(t.dtype),
+        "torch adapt: t.requires_grad": lambda: t.requires_grad,
+        "torch adapt: t.detach()": lambda: t.detach(),
+        "torch adapt: t.device.type": lambda: t.device.type,
+        "torch adapt: options.force_staging": lambda: options.force_staging,
+        "torch adapt: t.is_contiguous()": lambda: t.is_contiguous(),
+        "torch adapt: t.numpy()": lambda: t.numpy(),
+        "torch adapt: tuple(t.shape)": lambda: tuple(t.shape),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=C.parse_size, default=8, help="buffer bytes (8 B)")
+    p.add_argument("--torch", action="store_true", help="CPU torch tensor instead of numpy")
+    p.add_argument("--number", type=int, default=2000, help="calls per timed loop")
+    p.add_argument("--repeat", type=int, default=40, help="timed loops; the best is kept")
+    p.add_argument("--cprofile", action="store_true",
+                   help="also print cProfile's top functions for commlib.allreduce")
+    p.add_argument("--json", type=Path, help="write the rows as JSON")
+    args = p.parse_args(argv)
+    import commlib
+    commlib.init()
+    count = max(1, args.size // 4)
+    table = best_ns(steps(count, args.torch), args.number, args.repeat)
+    total = table["commlib.allreduce (total)"]
+    raw = table["raw comm.Allreduce(IN_PLACE, [a, n, FLOAT], SUM)"]
+    rows = [[k, f"{v:8.0f}"] for k, v in table.items()]
+    kind = "torch" if args.torch else "numpy"
+    print(C.format_table(["step", "ns/call"], rows, title=f"{C.fmt_size(count * 4)} float32 "
+                         f"{kind}, 1 process: commlib adds {total - raw:.0f} ns per allreduce"))
+    if args.cprofile:
+        prof = cProfile.Profile()
+        buf = np.zeros(count, np.float32)
+        prof.runcall(lambda: [commlib.allreduce(buf) for _ in range(args.number)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    if args.json:
+        C.write_json(args.json, {"benchmark": "profile_overhead", "kind": kind,
+                                 "bytes": count * 4, "ns_per_call": table,
+                                 "environment": C.environment(1)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
