@@ -113,14 +113,14 @@ def _adapt_torch(t: Any, name: str, op: str, rank: int, write: bool, read: bool)
     dt = from_torch(t.dtype)
     if dt is None:
         raise _bad_dtype(t.dtype, name, op, rank)
-    if write and t.requires_grad:
+    if t.requires_grad:
         import torch
-        if torch.is_grad_enabled():
+        if write and torch.is_grad_enabled():
             raise ValueError(f"{where(op, rank)}: argument {name!r} requires grad and {op} "
                              f"modifies it in place; pass tensor.detach() or call it under "
                              f"torch.no_grad()")
-    t = t.detach()
-    if t.device.type != "cpu" or options.force_staging:
+        t = t.detach()
+    if not t.is_cpu or options.force_staging:
         return _adapt_device(t, "torch", dt, write, read)
     contig = t if t.is_contiguous() else t.contiguous()
     buf = Buf(t, "torch", dt, torch_host_view(contig, dt), tuple(t.shape))
@@ -241,9 +241,21 @@ def empty_like(buf: Buf, shape: tuple) -> Any:
     return accelerator.cupy().empty(shape, dtype=buf.obj.dtype)
 
 
-def output(like: Buf, shape: tuple, op: str, rank: int) -> Buf:
-    """A fresh result buffer (``Buf.obj`` is what the collective returns)."""
-    return adapt(empty_like(like, shape), "output", op, rank, write=True, read=False)
+def output(like: Buf, shape: tuple, op: str, rank: int, out: Any = None) -> Buf:
+    """The result buffer (``Buf.obj`` is what the collective returns): ``out`` when the
+    caller gives one, which must be of the input's kind, device and dtype, with ``shape``'s
+    element count (reusing it saves an allocation, and the page faults of fresh memory,
+    per call); a new object otherwise."""
+    if out is None:
+        return adapt(empty_like(like, shape), "output", op, rank, write=True, read=False)
+    buf = adapt(out, "out", op, rank, write=True, read=False)
+    same_place = buf.kind == like.kind and (like.kind == "numpy" or
+                                            str(out.device) == str(like.obj.device))
+    if not same_place or buf.dt is not like.dt or buf.count != math.prod(shape):
+        raise ValueError(f"{where(op, rank)}: argument 'out' must be a {like.kind} buffer of "
+                         f"dtype {like.dt.name} on the input's device with shape "
+                         f"{tuple(shape)}, got {buf.describe()}")
+    return buf
 
 
 class _Staging:

@@ -8,6 +8,8 @@ particular collective: primitives call :meth:`Communicator.verify`, :meth:`arm` 
 """
 from __future__ import annotations
 
+from threading import get_ident
+from time import monotonic
 from typing import Any
 
 from mpi4py import MPI
@@ -17,18 +19,12 @@ from .options import options
 from .watchdog import Watchdog
 
 
-class Pending:
-    """What a blocking call is waiting for; formatted only if the watchdog fires."""
-
-    __slots__ = ("op", "seq", "what", "comm")
-
-    def __init__(self, op: str, seq: int, what: Any, comm: "Communicator") -> None:
-        self.op, self.seq, self.what, self.comm = op, seq, what, comm
-
-    def __str__(self) -> str:
-        what = self.what.describe() if hasattr(self.what, "describe") else str(self.what)
-        return (f"{self.op} #{self.seq} with {what} on {self.comm.describe()} "
-                f"(rank {self.comm.rank} of {self.comm.size})")
+def describe_pending(pending: tuple) -> str:
+    """Text for a watchdog entry ``(op, seq, what, comm)``; built only if the watchdog
+    fires, so arming costs a tuple and no formatting."""
+    op, seq, what, comm = pending
+    what = what.describe() if hasattr(what, "describe") else str(what)
+    return f"{op} #{seq} with {what} on {comm.describe()} (rank {comm.rank} of {comm.size})"
 
 
 class Communicator:
@@ -54,11 +50,13 @@ class Communicator:
         return self.seq
 
     def arm(self, op: str, what: Any) -> None:
-        """Start the deadline of a blocking call (see :mod:`commlib.watchdog`)."""
-        self.watchdog.arm(Pending(op, self.seq, what, self))
+        """Start the deadline of the calling thread's blocking call (see
+        :mod:`commlib.watchdog`; written out here because it runs on every collective)."""
+        self.watchdog.armed[get_ident()] = (monotonic() + self.watchdog.timeout,
+                                            (op, self.seq, what, self))
 
     def disarm(self) -> None:
-        self.watchdog.disarm()
+        self.watchdog.armed.pop(get_ident(), None)
 
     def describe(self) -> str:
         ranks = self.world_ranks

@@ -71,20 +71,21 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
 
 
 class Options:
-    """Process-wide commlib options; unknown names raise ``AttributeError``."""
+    """Process-wide commlib options; unknown names raise ``AttributeError``.
 
-    __slots__ = ("_values",)
+    Values live in the instance ``__dict__`` so that reading an option (done on every
+    collective) is a plain attribute lookup; every write goes through validation.
+    """
 
     def __init__(self, environ: dict[str, str] | None = None) -> None:
-        object.__setattr__(self, "_values", {})
         env = os.environ if environ is None else environ
         for name, (parse, default, var, _) in _FIELDS.items():
             raw = env.get(var)
             if raw is None:
-                self._values[name] = default
+                self.__dict__[name] = default
                 continue
             try:
-                self._values[name] = parse(raw)
+                self.__dict__[name] = parse(raw)
             except ValueError as exc:
                 raise ValueError(f"environment variable {var}={raw!r}: {exc}") from None
         known = {f[2] for f in _FIELDS.values()} | {"COMMLIB_TEST_MODE"}
@@ -94,9 +95,7 @@ class Options:
                               f"{', '.join(sorted(known))}", stacklevel=2)
 
     def __getattr__(self, name: str) -> Any:
-        values = object.__getattribute__(self, "_values")
-        if name in values:
-            return values[name]
+        # Only reached when normal lookup failed: the name is not an option.
         raise AttributeError(self._unknown(name))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -104,9 +103,12 @@ class Options:
             raise AttributeError(self._unknown(name))
         parse = _FIELDS[name][0]
         try:
-            self._values[name] = parse(value)
+            self.__dict__[name] = parse(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"commlib option {name!r}: {exc}") from None
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"commlib options cannot be deleted ({name!r})")
 
     def update(self, **values: Any) -> None:
         """Set several options; ``None`` values are skipped (keep the current setting)."""
@@ -117,7 +119,7 @@ class Options:
                 setattr(self, name, value)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self._values)
+        return {name: self.__dict__[name] for name in _FIELDS}
 
     @staticmethod
     def describe() -> dict[str, str]:
@@ -129,7 +131,7 @@ class Options:
         return f"unknown commlib option {name!r}; known options: {', '.join(_FIELDS)}"
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
         return f"commlib.Options({inner})"
 
 

@@ -50,17 +50,16 @@ _LOGICAL = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
 _NUMPY = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
           ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
 _user_ops: dict[tuple[str, ReduceOp], Any] = {}
-_resolved: dict[tuple[ReduceOp, str], Any] = {}
+_resolved: dict[tuple[str, str], Any] = {}  # (op.value, dtype name): str keys hash fast
 
 
 def mpi_op(op: ReduceOp, dt: DType, opname: str, rank: int) -> Any:
     """The ``MPI.Op`` that implements ``op`` on elements of ``dt``; raises ``ValueError`` for
     combinations without a meaning (AVG on integers or bool, MIN/MAX on complex)."""
-    found = _resolved.get((op, dt.name))
-    if found is not None:
-        return found
-    found = _resolve(op, dt, opname, rank)
-    _resolved[(op, dt.name)] = found
+    key = (op._value_, dt.name)
+    found = _resolved.get(key)
+    if found is None:
+        found = _resolved[key] = _resolve(op, dt, opname, rank)
     return found
 
 

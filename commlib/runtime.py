@@ -7,7 +7,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .communicator import Communicator
+from .communicator import Communicator, describe_pending
 from .errors import CommError
 from .options import options
 from .watchdog import Watchdog, abort_job
@@ -16,7 +16,8 @@ _world: Communicator | None = None
 _watchdog: Watchdog | None = None
 
 
-def _on_expiry(what: str) -> None:
+def _on_expiry(pending: tuple) -> None:
+    what = describe_pending(pending)
     abort_job(f"[commlib] rank {MPI.COMM_WORLD.Get_rank()}: {what} did not complete within "
               f"{options.timeout:g} s (COMMLIB_TIMEOUT); a peer is missing, has failed or "
               f"called a different collective. Aborting the job.")

@@ -20,28 +20,28 @@ ABORT_EXIT_CODE = 70
 
 
 class Watchdog:
-    def __init__(self, timeout: float, on_expiry: Callable[[str], None]) -> None:
+    """``on_expiry(what)`` receives the ``what`` given to :meth:`arm` of the call that
+    overran its deadline."""
+
+    def __init__(self, timeout: float, on_expiry: Callable[[Any], None]) -> None:
         self.timeout = float(timeout)
         self._on_expiry = on_expiry
-        self._armed: dict[int, tuple[float, Any]] = {}
-        self._thread: threading.Thread | None = None
+        # thread id -> (deadline, what): written by every blocking call, read by the thread
+        self.armed: dict[int, tuple[float, Any]] = {}
         self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="commlib-watchdog", daemon=True)
+        self._thread.start()
 
     def arm(self, what: Any) -> None:
         """Start the clock for the calling thread's pending blocking call.
 
-        ``what`` is any object whose ``str`` describes the call; it is formatted only on expiry.
+        ``what`` describes the call; it is handed to ``on_expiry`` untouched, so nothing is
+        formatted unless the deadline passes.
         """
-        self._armed[threading.get_ident()] = (time.monotonic() + self.timeout, what)
-        if self._thread is None:
-            self._start()
+        self.armed[threading.get_ident()] = (time.monotonic() + self.timeout, what)
 
     def disarm(self) -> None:
-        self._armed.pop(threading.get_ident(), None)
-
-    def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="commlib-watchdog", daemon=True)
-        self._thread.start()
+        self.armed.pop(threading.get_ident(), None)
 
     def stop(self) -> None:
         self._stop.set()
@@ -49,9 +49,9 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(min(1.0, max(self.timeout / 20.0, 0.05))):
             now = time.monotonic()
-            for deadline, what in list(self._armed.values()):
+            for deadline, what in list(self.armed.values()):
                 if now > deadline:
-                    self._on_expiry(str(what))
+                    self._on_expiry(what)
                     return
 
 

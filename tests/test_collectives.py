@@ -256,3 +256,23 @@ def test_staged_path_matches_direct(monkeypatch):
     commlib.allreduce(to_kind(xs[rank], "bfloat16", "torch"))
     commlib.allgather(to_kind(xs[rank], "float32", "torch")[::2])
     assert _pool.allocations == allocations
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_out_buffers_are_filled_and_returned(kind):
+    rank, n = world()
+    xs = inputs(12 * n, "float32", seed=12)
+    t = to_kind(xs[rank], "float32", kind)
+    out = to_kind(np.zeros((n, 12 * n)), "float32", kind)
+    assert commlib.allgather(t, out=out) is out
+    check(out, np.stack(xs), "float32")
+    out = to_kind(np.zeros(12 * n), "float32", kind)
+    assert commlib.alltoall(t, out=out) is out
+    out = to_kind(np.zeros(12), "float32", kind)
+    assert commlib.reduce_scatter(t, out=out) is out
+    check(out, np.array_split(np.sum(xs, axis=0), n)[rank], "float32")
+    with pytest.raises(ValueError, match="argument 'out'"):
+        commlib.allgather(t, out=to_kind(np.zeros(3), "float32", kind))
+    with pytest.raises(ValueError, match="argument 'out'"):
+        commlib.allgather(t, out=to_kind(np.zeros((n, 12 * n)), "float64", kind))

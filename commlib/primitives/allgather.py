@@ -12,12 +12,14 @@ from ._base import after, blocking, resolve
 from .work import Work
 
 
-def allgather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
+def allgather(tensor: Any, group: Any = None, async_op: bool = False, out: Any = None) -> Any:
     """Gather ``tensor`` from every rank of ``group`` onto every rank.
 
     Every rank passes the same shape and dtype. Returns a new array/tensor of the input's
     kind, dtype and device with shape ``(group_size, *tensor.shape)``; row ``r`` is rank
     ``r``'s buffer (or a :class:`Work` whose ``wait()`` returns it). The input is only read.
+    ``out``: an optional result buffer to fill instead of allocating one (same kind, device
+    and dtype as the input, the result's number of elements); it is what is returned.
     """
     comm = resolve(group, "allgather")
     rank = comm.rank
@@ -25,7 +27,7 @@ def allgather(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     comm.seq += 1
     if comm.checking:
         comm.verify("allgather", {"shape": buf.shape, "dtype": buf.dt.name})
-    out = output(buf, (comm.size,) + buf.shape, "allgather", rank)
+    out = output(buf, (comm.size,) + buf.shape, "allgather", rank, out)
     stats.record("allgather", buf.nbytes, comm.size)
     send = buf.msg()
     recv = [out.mem, buf.count, buf.dt.mpi]

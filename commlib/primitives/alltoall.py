@@ -10,13 +10,15 @@ from ._base import after, blocking, resolve
 from .work import Work
 
 
-def alltoall(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
+def alltoall(tensor: Any, group: Any = None, async_op: bool = False, out: Any = None) -> Any:
     """Exchange blocks between all pairs of ranks.
 
     ``tensor``'s leading dimension must be divisible by the group size ``n``; it is cut into
     ``n`` equal blocks along that dimension and block ``j`` goes to rank ``j``. Every rank
     passes the same shape and dtype. Returns a new array/tensor of the same shape whose
     block ``i`` came from rank ``i`` (or a :class:`Work`). The input is only read.
+    ``out``: an optional result buffer to fill instead of allocating one (same kind, device
+    and dtype as the input, the result's number of elements); it is what is returned.
     """
     comm = resolve(group, "alltoall")
     rank = comm.rank
@@ -29,7 +31,7 @@ def alltoall(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     comm.seq += 1
     if comm.checking:
         comm.verify("alltoall", {"shape": buf.shape, "dtype": buf.dt.name})
-    out = output(buf, buf.shape, "alltoall", rank)
+    out = output(buf, buf.shape, "alltoall", rank, out)
     stats.record("alltoall", buf.nbytes, n)
     per_rank = buf.count // n
     send = [buf.mem, per_rank, buf.dt.mpi]

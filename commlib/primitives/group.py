@@ -56,18 +56,18 @@ class Group:
     def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False) -> Any:
         return broadcast(tensor, src, self, async_op)
 
-    def allgather(self, tensor: Any, async_op: bool = False) -> Any:
-        return allgather(tensor, self, async_op)
+    def allgather(self, tensor: Any, async_op: bool = False, out: Any = None) -> Any:
+        return allgather(tensor, self, async_op, out)
 
     def allgather_v(self, tensor: Any, async_op: bool = False) -> Any:
         return allgather_v(tensor, self, async_op)
 
     def reduce_scatter(self, tensor: Any, op: ReduceOp = ReduceOp.SUM,
-                       async_op: bool = False) -> Any:
-        return reduce_scatter(tensor, op, self, async_op)
+                       async_op: bool = False, out: Any = None) -> Any:
+        return reduce_scatter(tensor, op, self, async_op, out)
 
-    def alltoall(self, tensor: Any, async_op: bool = False) -> Any:
-        return alltoall(tensor, self, async_op)
+    def alltoall(self, tensor: Any, async_op: bool = False, out: Any = None) -> Any:
+        return alltoall(tensor, self, async_op, out)
 
     def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Any:
         return send(tensor, dst, tag, self, async_op)

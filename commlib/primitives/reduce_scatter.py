@@ -28,12 +28,14 @@ def block_offsets(length: int, n: int) -> list[int]:
 
 
 def reduce_scatter(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
-                   async_op: bool = False) -> Any:
+                   async_op: bool = False, out: Any = None) -> Any:
     """Reduce ``tensor`` over ``group`` and return this rank's block of the result.
 
     Every rank passes the same shape and dtype; the input is only read. Returns a new 1-D
     array/tensor (input's kind, dtype, device) of ``block_sizes(tensor.size, n)[rank]``
     elements: elements ``[offset, offset + size)`` of the flattened reduction.
+    ``out``: an optional result buffer to fill instead of allocating one (same kind, device
+    and dtype as the input, the result's number of elements); it is what is returned.
     """
     comm = resolve(group, "reduce_scatter")
     rank = comm.rank
@@ -45,7 +47,7 @@ def reduce_scatter(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     if comm.checking:
         comm.verify("reduce_scatter", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name})
     counts = block_sizes(buf.count, comm.size)
-    out = output(buf, (counts[rank],), "reduce_scatter", rank)
+    out = output(buf, (counts[rank],), "reduce_scatter", rank, out)
     stats.record("reduce_scatter", buf.nbytes, comm.size)
     if async_op:
         stages = _async(comm.mpi.Ireduce_scatter, buf, out, counts, mop, op, comm.size)
