@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="target duration of one timed block, sets iterations (10 ms)")
     p.add_argument("--min-iters", type=int, default=1, help="iterations per block, at least")
     p.add_argument("--max-iters", type=int, default=1000, help="iterations per block, at most")
+    p.add_argument("--fresh-output", action="store_true",
+                   help="let commlib allocate a new result per call for allgather, "
+                        "reduce_scatter and alltoall (default: out= a preallocated buffer, "
+                        "as the raw peer does)")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the commlib-vs-mpi4py result comparison")
     p.add_argument("--json", type=Path, help="JSON output (default benchmarks/results/...)")
@@ -94,6 +98,7 @@ class Ctx:
         self.dtype = np.dtype(args.dtype)
         self.mpitype = getattr(MPI, DTYPES[args.dtype])   # predefined, as commlib uses
         self.torch = args.torch
+        self.fresh_output = args.fresh_output
 
     def buffer(self, count: int) -> tuple[Any, np.ndarray]:
         """(object handed to commlib, numpy view of the same memory)."""
@@ -103,6 +108,15 @@ class Ctx:
             return t, t.numpy()
         a = np.zeros(count, dtype=self.dtype)
         return a, a
+
+    def out(self, shape: tuple) -> tuple[Any, np.ndarray]:
+        """(commlib's ``out=`` object or None with --fresh-output, raw peer's array)."""
+        if self.torch:
+            import torch
+            t = torch.from_numpy(np.empty(shape, dtype=self.dtype))
+            return (None if self.fresh_output else t), t.numpy()
+        a = np.empty(shape, dtype=self.dtype)
+        return (None if self.fresh_output else a), a
 
     def msg(self, arr: np.ndarray, count: int | None = None) -> list:
         return [arr, arr.size if count is None else count, self.mpitype]
@@ -155,26 +169,26 @@ def case_broadcast(ctx: Ctx, count: int) -> Case:
 def case_allgather(ctx: Ctx, count: int) -> Case:
     import commlib
     obj, arr = ctx.buffer(count)
-    out = np.empty((ctx.n, count), dtype=ctx.dtype)
+    mine, out = ctx.out((ctx.n, count))
     send, recv = ctx.msg(arr), ctx.msg(out, count)
 
     def raw() -> Any:
         ctx.comm.Allgather(send, recv)
         return out
-    return Case(lambda: commlib.allgather(obj), raw, arr, count, alg_scale=ctx.n)
+    return Case(lambda: commlib.allgather(obj, out=mine), raw, arr, count, alg_scale=ctx.n)
 
 
 def case_reduce_scatter(ctx: Ctx, count: int) -> Case:
     import commlib
     obj, arr = ctx.buffer(count)
     counts = commlib.block_sizes(count, ctx.n)
-    out = np.empty(counts[ctx.rank], dtype=ctx.dtype)
+    mine, out = ctx.out((counts[ctx.rank],))
     send, recv = ctx.msg(arr), ctx.msg(out)
 
     def raw() -> Any:
         ctx.comm.Reduce_scatter(send, recv, counts, ctx.MPI.SUM)
         return out
-    return Case(lambda: commlib.reduce_scatter(obj), raw, arr, count)
+    return Case(lambda: commlib.reduce_scatter(obj, out=mine), raw, arr, count)
 
 
 def elements(ctx: Ctx, op: str, nbytes: int) -> int:
@@ -186,13 +200,13 @@ def elements(ctx: Ctx, op: str, nbytes: int) -> int:
 def case_alltoall(ctx: Ctx, count: int) -> Case:
     import commlib
     obj, arr = ctx.buffer(count)
-    out = np.empty(count, dtype=ctx.dtype)
+    mine, out = ctx.out((count,))
     send, recv = ctx.msg(arr, count // ctx.n), ctx.msg(out, count // ctx.n)
 
     def raw() -> Any:
         ctx.comm.Alltoall(send, recv)
         return out
-    return Case(lambda: commlib.alltoall(obj), raw, arr, count)
+    return Case(lambda: commlib.alltoall(obj, out=mine), raw, arr, count)
 
 
 def case_pingpong(ctx: Ctx, count: int) -> Case:
