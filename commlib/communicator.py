@@ -52,7 +52,7 @@ class Communicator:
     def arm(self, op: str, what: Any) -> None:
         """Start the deadline of the calling thread's blocking call (see
         :mod:`commlib.watchdog`; written out here because it runs on every collective)."""
-        self.watchdog.armed[get_ident()] = (monotonic() + self.watchdog.timeout,
+        self.watchdog.armed[get_ident()] = (monotonic() + options.timeout,
                                             (op, self.seq, what, self))
 
     def disarm(self) -> None:

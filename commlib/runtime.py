@@ -13,6 +13,7 @@ from .options import options
 from .watchdog import Watchdog, abort_job
 
 _world: Communicator | None = None
+_world_source: Any = None  # the communicator init() was given (commlib works on a Dup)
 _watchdog: Watchdog | None = None
 
 
@@ -33,32 +34,23 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     ``abort_on_exception``...), and unknown names raise ``TypeError``. A second call with a
     different ``comm`` raises :class:`CommError`; options given on later calls still apply.
     """
-    global _world, _watchdog
+    global _world, _world_source, _watchdog
     options.update(check=check, **opts)
     if _world is not None:
         if comm is not None and comm is not _world_source:
             raise CommError("commlib.init: already initialized with another communicator")
-        _watchdog.timeout = options.timeout
         return _world
     source = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(source, MPI.Comm):
         raise TypeError(f"commlib.init: argument 'comm' must be an mpi4py.MPI.Comm, "
                         f"got {type(source).__name__}")
-    _watchdog = Watchdog(options.timeout, _on_expiry)
+    _watchdog = Watchdog(_on_expiry)
     world_ranks = tuple(source.allgather(MPI.COMM_WORLD.Get_rank()))
     _world = Communicator(source.Dup(), _watchdog, "world", world_ranks)
-    _set_world_source(source)
+    _world_source = source
     if options.abort_on_exception and MPI.COMM_WORLD.Get_size() > 1:
         _install_excepthook()
     return _world
-
-
-_world_source: Any = None
-
-
-def _set_world_source(source: Any) -> None:
-    global _world_source
-    _world_source = source
 
 
 def is_initialized() -> bool:

@@ -23,22 +23,22 @@ class Watchdog:
     """``on_expiry(what)`` receives the ``what`` given to :meth:`arm` of the call that
     overran its deadline."""
 
-    def __init__(self, timeout: float, on_expiry: Callable[[Any], None]) -> None:
-        self.timeout = float(timeout)
+    def __init__(self, on_expiry: Callable[[Any], None], poll_s: float = 0.25) -> None:
         self._on_expiry = on_expiry
+        self._poll_s = poll_s
         # thread id -> (deadline, what): written by every blocking call, read by the thread
         self.armed: dict[int, tuple[float, Any]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="commlib-watchdog", daemon=True)
         self._thread.start()
 
-    def arm(self, what: Any) -> None:
+    def arm(self, what: Any, timeout: float) -> None:
         """Start the clock for the calling thread's pending blocking call.
 
         ``what`` describes the call; it is handed to ``on_expiry`` untouched, so nothing is
         formatted unless the deadline passes.
         """
-        self.armed[threading.get_ident()] = (time.monotonic() + self.timeout, what)
+        self.armed[threading.get_ident()] = (time.monotonic() + timeout, what)
 
     def disarm(self) -> None:
         self.armed.pop(threading.get_ident(), None)
@@ -47,7 +47,7 @@ class Watchdog:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(1.0, max(self.timeout / 20.0, 0.05))):
+        while not self._stop.wait(self._poll_s):
             now = time.monotonic()
             for deadline, what in list(self.armed.values()):
                 if now > deadline:

@@ -42,3 +42,17 @@ def test_healthy_job_exits_zero():
     code, seconds, out = run_mpi(3, [PROGRAM, "none"], timeout=60, COMMLIB_TIMEOUT="5")
     assert code == 0, out
     assert out.count("finished normally") == 3
+
+
+def test_timeout_set_at_run_time_applies(tmp_path):
+    program = tmp_path / "late_timeout.py"
+    program.write_text(
+        "import time, numpy as np, commlib\n"
+        "commlib.init()\n"
+        "commlib.options.timeout = 3\n"
+        "if commlib.get_rank() == 1:\n"
+        "    time.sleep(60)\n"
+        "commlib.allreduce(np.ones(4))\n")
+    code, seconds, out = run_mpi(2, [str(program)], timeout=60)
+    assert code != 0 and seconds < 20, out
+    assert "did not complete within 3 s" in out
