@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 ENTRY_POINT_GROUP = "commlib.algorithms"
 _registry: dict[str, type] = {}
 _entry_points_loaded = False
-_BUILTINS = ("gradient_allreduce",)
+_BUILTINS = ("gradient_allreduce", "d_kfac", "dp_kfac")
 
 T = TypeVar("T", bound=type)
 
