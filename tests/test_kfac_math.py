@@ -270,6 +270,25 @@ def test_eigen_path_is_the_exact_damped_kronecker_solve(damping, rank_deficient)
     torch.testing.assert_close(got, kron_solve(A, G, V, damping), rtol=1e-9, atol=1e-10)
 
 
+def test_eigen_falls_back_to_float64_when_lapack_does_not_converge(monkeypatch):
+    A, G = (m.float() for m in _spd_factors(6, 5, seed=3))
+    real = torch.linalg.eigh
+
+    def failing_in_float32(M):
+        if M.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return real(M)
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing_in_float32)
+    inv = inverses.compute_inverse("eigen", A, G, 1e-3)
+    assert all(t.dtype == torch.float32 for t in inv)
+    torch.testing.assert_close(inv[1], real(A.double())[0].float())
+    V = torch.randn(5, 6)
+    torch.testing.assert_close(inverses.precondition("eigen", inv, V, 1e-3),
+                               kron_solve(A.double(), G.double(), V.double(), 1e-3).float(),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_cholesky_path_is_the_factored_tikhonov_solve():
     A, G = _spd_factors(6, 5, seed=2)
     V = torch.randn(5, 6, dtype=D)

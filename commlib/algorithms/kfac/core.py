@@ -127,6 +127,7 @@ class KFAC(GradientAllReduce):
             self._update_factors(ctx, first=self._factor_updates == 0)
             self._factor_updates += 1
             self._capture.clear()
+        self._capture.armed = False  # until the next factor step's forward
         if ctx.step % self.inv_update_steps == 0:
             self._update_inverses(ctx)
         results = self._preconditioned(ctx)

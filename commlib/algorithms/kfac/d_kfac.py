@@ -50,7 +50,7 @@ class DKFAC(KFAC):
         self._inverses: dict[int, list[torch.Tensor]] = {}
 
     def _factor_items(self):
-        return [(i, tuple(ag)) for i, ag in self._factors.items()] if self._factor_updates else []
+        return [(i, tuple(ag)) for i, ag in self._factors.items()]
 
     def _inverse_items(self):
         return list(self._inverses.items())
@@ -58,7 +58,9 @@ class DKFAC(KFAC):
     def _update_factors(self, ctx: Context, first: bool) -> None:
         """Local running averages, then one allreduce (average) per bucket, launched as soon
         as the bucket is updated so communication overlaps with the next bucket's update.
-        A layer this rank did not see contributes zero factors."""
+        Averaging the running averages equals averaging the batch factors, because every
+        rank starts from the same (previously averaged) values. A layer this rank did not see
+        contributes zero factors."""
         pending = []
         for bucket in self._buckets:
             with self._timers.phase("factors"):
@@ -67,7 +69,8 @@ class DKFAC(KFAC):
                     fresh = self._capture.batch_factor(self._layers[int(index)], which)
                     update_running(view, fresh if fresh is not None else torch.zeros_like(view),
                                    self.factor_decay, first)
-            pending.append(ctx.submit(allreduce, bucket.flat, ReduceOp.AVG, ctx.group, True))
+            pending.append(ctx.submit(allreduce, bucket.flat, ReduceOp.AVG, ctx.group, True,
+                                      self.hierarchical))
         with self._timers.phase("communication"):
             for future in pending:
                 future.result()

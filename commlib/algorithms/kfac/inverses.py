@@ -5,7 +5,8 @@ Two methods, chosen by ``inverse=``:
 ``"eigen"`` (default, exact): ``A = Q_A diag(l_A) Q_A^T``, ``G = Q_G diag(l_G) Q_G^T`` and
 ``(A kron G + damping I)^-1 vec(V) = vec(Q_G [(Q_G^T V Q_A) / (l_G l_A^T + damping)] Q_A^T)``
 (``vec`` stacks columns; ``V`` is ``(d_out, d_in)``). Eigenvalues are clamped at 0, which only
-removes rounding noise of positive semi-definite factors.
+removes rounding noise of positive semi-definite factors; a float32 decomposition that does
+not converge is redone in float64.
 
 ``"cholesky"``: ``(A + pi sqrt(damping) I)^-1`` and ``(G + sqrt(damping)/pi I)^-1`` through
 Cholesky factorizations, ``pi = sqrt((tr A / d_in) / (tr G / d_out))`` (factored Tikhonov
@@ -42,8 +43,8 @@ def compute_inverse(method: str, A: torch.Tensor, G: torch.Tensor,
     dtype) holding the inverse; ``A`` and ``G`` are not modified. Only the lower triangles
     are read."""
     if method == "eigen":
-        l_a, q_a = torch.linalg.eigh(A)
-        l_g, q_g = torch.linalg.eigh(G)
+        l_a, q_a = _eigh(A)
+        l_g, q_g = _eigh(G)
         return [q_a, l_a.clamp_(min=0.0), q_g, l_g.clamp_(min=0.0)]
     pi = _pi(A, G)
     root = math.sqrt(damping)
@@ -61,6 +62,19 @@ def precondition(method: str, inverse: list[torch.Tensor], grad: torch.Tensor,
         return q_g @ rotated @ q_a.T
     a_inv, g_inv = inverse
     return g_inv @ grad @ a_inv
+
+
+def _eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh``, retried in float64 (result cast back) when LAPACK does not
+    converge: float32 factors of convolutions on small inputs (zero-padded patches, few
+    rows) have thousands of repeated zero eigenvalues, on which float32 ``syevd`` can fail."""
+    try:
+        return torch.linalg.eigh(M)
+    except torch.linalg.LinAlgError:
+        if M.dtype == torch.float64:
+            raise
+        values, vectors = torch.linalg.eigh(M.double())
+        return values.to(M.dtype), vectors.to(M.dtype)
 
 
 def _pi(A: torch.Tensor, G: torch.Tensor) -> float:

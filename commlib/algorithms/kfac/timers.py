@@ -13,7 +13,8 @@ class Timers:
 
     CPU time (``time.thread_time``) is the work this rank's calling thread did, which stays
     meaningful when ranks share cores; it misses work of torch's intra-op threads, so
-    benchmarks that rely on it run with ``torch.set_num_threads(1)``.
+    benchmarks that rely on it run with ``torch.set_num_threads(1)``. The wall time of
+    ``communication`` includes waiting for slower ranks to reach the collective.
     """
 
     def __init__(self) -> None:
