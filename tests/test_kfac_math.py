@@ -252,20 +252,29 @@ def test_write_grad_is_in_place_and_keeps_none():
 
 
 # -- inverses --------------------------------------------------------------------------
-def _spd_factors(d_in, d_out, seed, rank_deficient=False):
+def _spd_factors(d_in, d_out, seed, rank_deficient=False, zero_rows=False):
+    """Random PSD factors; ``zero_rows``: some inputs and outputs are always 0 (exactly zero
+    rows and columns, as with padding-only patch positions)."""
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(d_in, 2 if rank_deficient else 3 * d_in, generator=g, dtype=D)
     b = torch.randn(d_out, 3 * d_out, generator=g, dtype=D) * 10
+    if zero_rows:
+        a[[0, 3, 4]] = 0
+        b[[2]] = 0
     return a @ a.T / a.shape[1], b @ b.T / b.shape[1]
 
 
-@pytest.mark.parametrize("rank_deficient", [False, True])
+@pytest.mark.parametrize("structure", [{}, {"rank_deficient": True}, {"zero_rows": True},
+                                       {"rank_deficient": True, "zero_rows": True}])
 @pytest.mark.parametrize("damping", [1e-3, 0.1])
-def test_eigen_path_is_the_exact_damped_kronecker_solve(damping, rank_deficient):
-    A, G = _spd_factors(6, 5, seed=1, rank_deficient=rank_deficient)
+def test_eigen_path_is_the_exact_damped_kronecker_solve(damping, structure):
+    A, G = _spd_factors(6, 5, seed=1, **structure)
     V = torch.randn(5, 6, dtype=D)
     inv = inverses.compute_inverse("eigen", A, G, damping)
     assert [tuple(t.shape) for t in inv] == inverses.inverse_shapes("eigen", 6, 5)
+    for q, values, M in ((inv[0], inv[1], A), (inv[2], inv[3], G)):  # a true decomposition
+        torch.testing.assert_close(q @ torch.diag(values) @ q.T, M, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(q.T @ q, torch.eye(len(values), dtype=D), rtol=0, atol=1e-12)
     got = inverses.precondition("eigen", inv, V, damping)
     torch.testing.assert_close(got, kron_solve(A, G, V, damping), rtol=1e-9, atol=1e-10)
 

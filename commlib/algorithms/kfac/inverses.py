@@ -5,8 +5,9 @@ Two methods, chosen by ``inverse=``:
 ``"eigen"`` (default, exact): ``A = Q_A diag(l_A) Q_A^T``, ``G = Q_G diag(l_G) Q_G^T`` and
 ``(A kron G + damping I)^-1 vec(V) = vec(Q_G [(Q_G^T V Q_A) / (l_G l_A^T + damping)] Q_A^T)``
 (``vec`` stacks columns; ``V`` is ``(d_out, d_in)``). Eigenvalues are clamped at 0, which only
-removes rounding noise of positive semi-definite factors; a float32 decomposition that does
-not converge is redone in float64.
+removes rounding noise of positive semi-definite factors. Exactly zero rows and columns
+(inputs that are always 0) are split off before decomposing, and a float32 decomposition that
+does not converge is redone in float64.
 
 ``"cholesky"``: ``(A + pi sqrt(damping) I)^-1`` and ``(G + sqrt(damping)/pi I)^-1`` through
 Cholesky factorizations, ``pi = sqrt((tr A / d_in) / (tr G / d_out))`` (factored Tikhonov
@@ -65,9 +66,31 @@ def precondition(method: str, inverse: list[torch.Tensor], grad: torch.Tensor,
 
 
 def _eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (ascending) and eigenvectors of a symmetric PSD factor.
+
+    Rows and columns that are exactly zero (a zero diagonal entry of a PSD matrix: an input
+    that is always 0, such as a patch position that only ever sees padding, or an output
+    that never gets a gradient) are split off exactly: their unit vectors are eigenvectors
+    with eigenvalue 0, and only the rest is decomposed. Besides saving time, this avoids
+    LAPACK failures on such matrices.
+    """
+    live = torch.diagonal(M) > 0
+    if bool(live.all()):
+        return _dense_eigh(M)
+    d = M.shape[0]
+    idx, dead = live.nonzero().squeeze(1), (~live).nonzero().squeeze(1)
+    sub_values, sub_vectors = _dense_eigh(M[idx][:, idx])
+    values = M.new_zeros(d)
+    vectors = M.new_zeros(d, d)
+    values[len(dead):] = sub_values
+    vectors[dead, torch.arange(len(dead), device=M.device)] = 1.0
+    vectors[idx.unsqueeze(1), torch.arange(len(dead), d, device=M.device)] = sub_vectors
+    return values, vectors
+
+
+def _dense_eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.linalg.eigh``, retried in float64 (result cast back) when LAPACK does not
-    converge: float32 factors of convolutions on small inputs (zero-padded patches, few
-    rows) have thousands of repeated zero eigenvalues, on which float32 ``syevd`` can fail."""
+    converge, which float32 ``syevd`` can do on matrices with many repeated eigenvalues."""
     try:
         return torch.linalg.eigh(M)
     except torch.linalg.LinAlgError:
