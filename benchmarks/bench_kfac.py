@@ -207,8 +207,12 @@ def plot(curves: dict[str, list[float]], path: str, world: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
+    window = 10
     for name, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=name)
+        line, = ax.plot(range(1, len(losses) + 1), losses, alpha=0.3, linewidth=0.8)
+        smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+        ax.plot(range(window, len(losses) + 1), smooth, color=line.get_color(),
+                label=f"{name} ({window}-step mean)")
     ax.set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log",
            title=f"SmallCNN on 8x8 digits, {world} ranks, same learning rate")
     ax.legend()
@@ -267,8 +271,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["resnet18", "cnn"],
                    choices=["resnet18", "cnn"])
-    p.add_argument("--steps", type=int, default=3, help="measured ResNet-18 steps")
-    p.add_argument("--cnn-steps", type=int, default=15, help="measured example-CNN steps")
+    p.add_argument("--steps", type=int, default=5, help="measured ResNet-18 steps")
+    p.add_argument("--cnn-steps", type=int, default=30, help="measured example-CNN steps")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured first steps")
     p.add_argument("--batch", type=int, default=8, help="ResNet-18 examples per rank")
     p.add_argument("--image", type=int, default=32, help="ResNet-18 input side")
