@@ -44,7 +44,10 @@ class Mixed(nn.Module):
         return self.fc2(torch.tanh(self.fc1(self.norm(x.flatten(1)))))
 
 
-MODELS = {"mlp": (lambda: MLP(hidden=12), (10,), 4), "cnn": (SmallCNN, (1, 8, 8), 10), "mixed": (Mixed, (2, 6, 6), 3)}
+# name: (constructor, input shape of one example, classes); a narrow MLP keeps the reference's
+# dense Kronecker solves small
+MODELS = {"mlp": (lambda: MLP(hidden=12), (10,), 4), "cnn": (SmallCNN, (1, 8, 8), 10),
+          "mixed": (Mixed, (2, 6, 6), 3)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -354,3 +357,30 @@ def test_d_kfac_bytes_per_step(mpi_calls, inverse):
         assert [b for op, b in ops if op == "allgather_v"] == ([inv] if step % 3 == 0 else [])
         assert [b for op, b in ops if op == "allgather"] == ([16] if step % 3 == 0 else [])
         _check_stats(ops, stats, n)
+
+
+@pytest.mark.mpi
+def test_d_kfac_gradient_accumulation_averages_the_micro_batch_factors():
+    """Two backward passes, the first under no_sync: the factors are the mean of the two
+    micro-batches' factors and the preconditioned gradient is that of the summed gradient."""
+    rank, n = world()
+    hp = dict(kl_clip=None, damping=0.01)
+    ddp = commlib.DistributedDataParallel(build("cnn"), algorithm="d_kfac", **hp)
+    ref, ref_kfac = build("cnn"), ReferenceKFAC(**hp)
+    try:
+        micro = [[shard("cnn", k, r) for r in range(n)] for k in range(2)]
+        with ddp.no_sync():
+            F.cross_entropy(ddp(micro[0][rank][0]), micro[0][rank][1]).backward()
+        F.cross_entropy(ddp(micro[1][rank][0]), micro[1][rank][1]).backward()
+        whole = [(torch.cat([s[0] for s in m]), torch.cat([s[1] for s in m])) for m in micro]
+        per_micro = [reference_factors(ref, x, y, F.cross_entropy) for x, y in whole]
+        ref_kfac.update(0, {k: tuple((a[i] + b[i]) / 2 for i in range(2))
+                            for (k, a), b in zip(per_micro[0].items(), per_micro[1].values())})
+        for x, y in whole:
+            F.cross_entropy(ref(x), y).backward()
+        mods = dict(kfac_modules(ref))
+        pre = ref_kfac.precondition({k: grad_matrix(m) for k, m in mods.items()})
+        for k, m in kfac_modules(ddp.module):
+            assert_close(grad_matrix(m), pre[k], f"grad {k}")
+    finally:
+        ddp.close()

@@ -41,18 +41,15 @@ class DKFAC(KFAC):
             named.append((f"{layer.index}.A", _placeholder(w, layer.d_in)))
             named.append((f"{layer.index}.G", _placeholder(w, layer.d_out)))
         self._buckets = build(named, ctx.bucket_cap_bytes)
-        self._factors: dict[int, list[torch.Tensor]] = {l.index: [None, None]
-                                                        for l in self._layers}
-        for bucket in self._buckets:
-            for name, view in zip(bucket.names, bucket.views):
-                index, which = name.split(".")
-                self._factors[int(index)]["AG".index(which)] = view
+        by_name = {n: v for b in self._buckets for n, v in zip(b.names, b.views)}
+        self._factors: dict[int, list[torch.Tensor]] = {
+            l.index: [by_name[f"{l.index}.A"], by_name[f"{l.index}.G"]] for l in self._layers}
         self._inverses: dict[int, list[torch.Tensor]] = {}
 
-    def _factor_items(self):
+    def _factor_items(self) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
         return [(i, tuple(ag)) for i, ag in self._factors.items()]
 
-    def _inverse_items(self):
+    def _inverse_items(self) -> list[tuple[int, list[torch.Tensor]]]:
         return list(self._inverses.items())
 
     def _update_factors(self, ctx: Context, first: bool) -> None:

@@ -43,10 +43,10 @@ class DPKFAC(KFAC):
                                  device=like.device)
         self._send_views = [v for v, in views(self._send, [[(l.d_out, l.d_in)] for l in owned])]
 
-    def _factor_items(self):
+    def _factor_items(self) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
         return [(i, tuple(ag)) for i, ag in self._factors.items()]
 
-    def _inverse_items(self):
+    def _inverse_items(self) -> list[tuple[int, list[torch.Tensor]]]:
         return list(self._inverses.items())
 
     def _update_factors(self, ctx: Context, first: bool) -> None:
