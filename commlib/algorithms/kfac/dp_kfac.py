@@ -50,8 +50,9 @@ class DPKFAC(KFAC):
         return list(self._inverses.items())
 
     def _update_factors(self, ctx: Context, first: bool) -> None:
-        """Owned layers only, from this rank's batch; a layer's first factors are taken as
-        they are. A layer that missed this step keeps its factors."""
+        """Owned layers only, from this rank's batch. ``first`` is not needed: a layer's first
+        factors (whenever they come) are taken as they are. A layer that missed this step
+        keeps its factors."""
         with self._timers.phase("factors"):
             for layer in self.owned():
                 a = self._capture.batch_factor(layer, "A")
@@ -66,6 +67,7 @@ class DPKFAC(KFAC):
                     update_running(held[1], g, self.factor_decay, first=False)
 
     def _update_inverses(self, ctx: Context) -> None:
+        """Invert the owned layers that have factors; nothing is communicated."""
         with self._timers.phase("inverses"):
             for index, (a, g) in self._factors.items():
                 self._inverses[index] = compute_inverse(self.inverse, a, g, self.damping)
