@@ -9,12 +9,13 @@ lookup, checking-mode test, byte counters, watchdog arm/disarm, result finishing
 the full calls of the other collectives. Each row is the best of ``--repeat`` loops of
 ``--number`` calls; rows take turns so that machine noise hits all of them alike. This is
 a diagnostic for commlib's developers: it calls commlib internals
-(``commlib.buffers.adapt``, ``commlib.stats.record``...) by name.
+(``commlib.buffers.adapt``, ``commlib.accounting.record``...) by name.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import math
 import pstats
 import sys
@@ -51,7 +52,7 @@ def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
     from commlib import buffers, runtime
     from commlib.primitives import _base
     from commlib.reduce_ops import ReduceOp, mpi_op
-    counters = sys.modules["commlib.stats"]
+    counters = importlib.import_module("commlib.accounting")
     arr = np.zeros(count, np.float32)
     obj = arr
     if use_torch:
@@ -72,7 +73,7 @@ def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
         "    (math.prod(shape), for comparison)": lambda: math.prod(buf.shape),
         "  reduce_ops.mpi_op(SUM, float32)": lambda: mpi_op(ReduceOp.SUM, buf.dt, "ar", 0),
         "  comm.checking (options.check lookup)": lambda: comm.checking,
-        "  stats.record": lambda: counters.record("allreduce", buf.nbytes, n),
+        "  accounting.record": lambda: counters.record("allreduce", buf.nbytes, n),
         "  buf.nbytes": lambda: buf.nbytes,
         "  comm.arm + comm.disarm (watchdog)": lambda: (comm.arm("allreduce", buf),
                                                          comm.disarm()),

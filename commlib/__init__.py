@@ -12,7 +12,7 @@ from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoal
 from .reduce_ops import ReduceOp
 from .runtime import (get_local_rank, get_local_size, get_rank, get_world_size, init,
                       is_initialized)
-from .stats import stats
+from .accounting import stats
 
 __version__ = "0.1.0"
 

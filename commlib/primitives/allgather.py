@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import stats
+from .. import accounting
 from ..buffers import Buf, adapt, output
 from ..errors import CommError, where
 from ._base import after, blocking, resolve
@@ -28,7 +28,7 @@ def allgather(tensor: Any, group: Any = None, async_op: bool = False, out: Any =
     if comm.checking:
         comm.verify("allgather", {"shape": buf.shape, "dtype": buf.dt.name})
     out = output(buf, (comm.size,) + buf.shape, "allgather", rank, out)
-    stats.record("allgather", buf.nbytes, comm.size)
+    accounting.record("allgather", buf.nbytes, comm.size)
     send = buf.msg()
     recv = [out.mem, buf.count, buf.dt.mpi]
     if async_op:
@@ -58,7 +58,7 @@ def allgather_v(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     comm.seq += 1
     mine = (buf.shape, buf.dt.name)
     meta = blocking(comm, "allgather_v", buf, comm.mpi.allgather, mine)
-    stats.record("allgather", 8 * (len(buf.shape) + 1), comm.size)
+    accounting.record("allgather", 8 * (len(buf.shape) + 1), comm.size)
     trailing = {(s[1:], d) for s, d in meta}
     if len(trailing) != 1:
         detail = "; ".join(f"rank {r}: shape {tuple(s)} {d}" for r, (s, d) in enumerate(meta))
@@ -69,7 +69,7 @@ def allgather_v(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     counts = [f * per_row for f in firsts]
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
     out = output(buf, (sum(firsts),) + buf.shape[1:], "allgather_v", rank)
-    stats.record("allgather_v", buf.nbytes, comm.size)
+    accounting.record("allgather_v", buf.nbytes, comm.size)
     recv = [out.mem, (counts, displs), buf.dt.mpi]
     if async_op:
         request = comm.mpi.Iallgatherv(buf.msg(), recv)

@@ -5,7 +5,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import stats
+from .. import accounting
 from ..buffers import Buf, adapt
 from ..communicator import Communicator
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
@@ -42,7 +42,7 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     if hierarchical and comm.size > 1:
         work = Work(comm, "allreduce", buf, _hierarchical(comm, buf, op, mop, tensor))
         return work if async_op else work.wait()
-    stats.record("allreduce", buf.nbytes, comm.size)
+    accounting.record("allreduce", buf.nbytes, comm.size)
     if async_op:
         return Work(comm, "allreduce", buf, _flat_async(comm, buf, op, mop, tensor))
     blocking(comm, "allreduce", buf, comm.mpi.Allreduce, IN_PLACE, buf.msg(), mop)
@@ -60,15 +60,15 @@ def _hierarchical(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: 
     local, leaders = comm.node()
     msg = buf.msg()
     if local.size > 1:
-        stats.record("reduce", buf.nbytes, local.size)
+        accounting.record("reduce", buf.nbytes, local.size)
         send = IN_PLACE if local.rank == 0 else msg
         recv = msg if local.rank == 0 else None
         yield local.mpi.Ireduce(send, recv, mop, root=0)
     if leaders is not None and leaders.size > 1:
-        stats.record("allreduce", buf.nbytes, leaders.size)
+        accounting.record("allreduce", buf.nbytes, leaders.size)
         yield leaders.mpi.Iallreduce(IN_PLACE, msg, mop)
     if local.size > 1:
-        stats.record("broadcast", buf.nbytes, local.size)
+        accounting.record("broadcast", buf.nbytes, local.size)
         yield local.mpi.Ibcast(msg, root=0)
     finish_reduce(buf, op, comm.size)
     return tensor

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import stats
+from .. import accounting
 from ..buffers import adapt, output
 from ..errors import where
 from ._base import after, blocking, resolve
@@ -32,7 +32,7 @@ def alltoall(tensor: Any, group: Any = None, async_op: bool = False, out: Any = 
     if comm.checking:
         comm.verify("alltoall", {"shape": buf.shape, "dtype": buf.dt.name})
     out = output(buf, buf.shape, "alltoall", rank, out)
-    stats.record("alltoall", buf.nbytes, n)
+    accounting.record("alltoall", buf.nbytes, n)
     per_rank = buf.count // n
     send = [buf.mem, per_rank, buf.dt.mpi]
     recv = [out.mem, per_rank, buf.dt.mpi]

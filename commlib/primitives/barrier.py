@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import stats
+from .. import accounting
 from ._base import after, blocking, resolve
 from .work import Work
 
@@ -14,7 +14,7 @@ def barrier(group: Any = None, async_op: bool = False) -> Any:
     comm.seq += 1
     if comm.checking:
         comm.verify("barrier", {})
-    stats.record("barrier", 0, comm.size)
+    accounting.record("barrier", 0, comm.size)
     if async_op:
         return Work(comm, "barrier", "barrier", after(comm.mpi.Ibarrier()))
     blocking(comm, "barrier", "barrier", comm.mpi.Barrier)

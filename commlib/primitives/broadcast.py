@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import stats
+from .. import accounting
 from ..buffers import adapt
 from ._base import after, blocking, resolve
 from .work import Work
@@ -23,7 +23,7 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
     comm.seq += 1
     if comm.checking:
         comm.verify("broadcast", {"shape": buf.shape, "dtype": buf.dt.name, "src": src})
-    stats.record("broadcast", buf.nbytes, comm.size)
+    accounting.record("broadcast", buf.nbytes, comm.size)
     if async_op:
         request = comm.mpi.Ibcast(buf.msg(), src)
         return Work(comm, "broadcast", buf, after(request, buf, result=tensor))

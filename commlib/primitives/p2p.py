@@ -5,7 +5,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import stats
+from .. import accounting
 from ..buffers import Buf, adapt
 from ..communicator import Communicator
 from ..errors import CommError, where
@@ -34,7 +34,7 @@ def send(tensor: Any, dst: int, tag: int = 0, group: Any = None,
     dst = comm.check_rank(dst, "dst", "send")
     tag = _check_tag(tag, "send", rank)
     buf = adapt(tensor, "tensor", "send", rank)
-    stats.record("send", buf.nbytes, comm.size)
+    accounting.record("send", buf.nbytes, comm.size)
     if async_op:
         return Work(comm, "send", buf, after(comm.mpi.Isend(buf.msg(), dst, tag), buf))
     blocking(comm, "send", buf, comm.mpi.Send, buf.msg(), dst, tag)
@@ -55,7 +55,7 @@ def recv(tensor: Any, src: int, tag: int = 0, group: Any = None,
     src = comm.check_rank(src, "src", "recv")
     tag = _check_tag(tag, "recv", rank)
     buf = adapt(tensor, "tensor", "recv", rank, write=True, read=False)
-    stats.record("recv", buf.nbytes, comm.size)
+    accounting.record("recv", buf.nbytes, comm.size)
     status = MPI.Status()
     if async_op:
         request = comm.mpi.Irecv(buf.msg(), src, tag)
@@ -93,7 +93,7 @@ def sendrecv(send_tensor: Any, dst: int, recv_tensor: Any, src: int, tag: int = 
     tag = _check_tag(tag, "sendrecv", rank)
     out = adapt(send_tensor, "send_tensor", "sendrecv", rank)
     into = adapt(recv_tensor, "recv_tensor", "sendrecv", rank, write=True, read=False)
-    stats.record("sendrecv", out.nbytes, comm.size)
+    accounting.record("sendrecv", out.nbytes, comm.size)
     status = MPI.Status()
     blocking(comm, "sendrecv", out, comm.mpi.Sendrecv, out.msg(), dst, tag, into.msg(), src,
              tag, status)

@@ -5,7 +5,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import stats
+from .. import accounting
 from ..buffers import Buf, adapt
 from ..communicator import Communicator
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
@@ -33,7 +33,7 @@ def reduce(tensor: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: Any = 
     if comm.checking:
         comm.verify("reduce", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name,
                                "dst": dst})
-    stats.record("reduce", buf.nbytes, comm.size)
+    accounting.record("reduce", buf.nbytes, comm.size)
     send, recv = (MPI.IN_PLACE, buf.msg()) if is_root else (buf.msg(), None)
     if async_op:
         return Work(comm, "reduce", buf, _async(comm, buf, op, mop, dst, send, recv, tensor))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import stats
+from .. import accounting
 from ..buffers import Buf, adapt, output
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
 from ._base import blocking, finish_reduce, resolve
@@ -48,7 +48,7 @@ def reduce_scatter(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
         comm.verify("reduce_scatter", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name})
     counts = block_sizes(buf.count, comm.size)
     out = output(buf, (counts[rank],), "reduce_scatter", rank, out)
-    stats.record("reduce_scatter", buf.nbytes, comm.size)
+    accounting.record("reduce_scatter", buf.nbytes, comm.size)
     if async_op:
         stages = _async(comm.mpi.Ireduce_scatter, buf, out, counts, mop, op, comm.size)
         return Work(comm, "reduce_scatter", buf, stages)
