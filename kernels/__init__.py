@@ -62,6 +62,10 @@ compressed bytes should match too (no step is a multiply followed by an add, whi
 GPU compiler could fuse), and are tested to agree within one quantization level;
 dequantized values may differ in the last bits where the GPU fuses ``lo + a * rng``.
 """
+from . import _threads
+
+_threads.configure()  # before anything imports Numba
+
 from ._api import (DEFAULT_CHUNK_SIZE, compress_sign, compressed_nbytes, decompress,
                    decompress_sign, dequantize_minmax_uint8, quantize_minmax_uint8,
                    read_header)

@@ -21,6 +21,7 @@ compressed allreduce, and leaders broadcast the result inside the node.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -101,47 +102,64 @@ def _hierarchical(tensor: Any, op: ReduceOp, comm: Any, method: str, chunk_size:
     return tensor
 
 
-def _cpu_share() -> int:
-    """CPU threads this rank's compression kernels may use: the node's cores divided among
-    its ranks (Numba's pool stalls badly when ranks together ask for more threads than
-    there are cores)."""
-    import os
-    from .. import runtime
-    return max(1, (os.cpu_count() or 1) // runtime.get_local_size())
+class _Workspace:
+    """Buffers of one exchange shape, reused call after call: fresh multi-megabyte
+    allocations cost page faults that, on virtual machines, took longer than the
+    compression itself (14 ms for 7 MB here)."""
+
+    def __init__(self, like: Any, n: int, part: int, nbytes: int) -> None:
+        self.padded = _empty(like, n * part, "float32")
+        self.codes = _empty(like, n * nbytes, "uint8").reshape(n, nbytes)
+        self.received = _empty(like, n * nbytes, "uint8").reshape(n, nbytes)
+        self.mine = _empty(like, nbytes, "uint8")
+        self.gathered = _empty(like, n * nbytes, "uint8").reshape(n, nbytes)
+        self.acc = _empty(like, part, "float32")
+        self.scratch = _empty(like, part, "float32")
+        self.out = _empty(like, n * part, "float32")
+
+
+_workspaces = threading.local()
+
+
+def _workspace(like: Any, n: int, part: int, method: str, chunk_size: int) -> _Workspace:
+    """This thread's workspace for the shape (one per thread: the DDP communication thread
+    and the main thread never share buffers)."""
+    cache = getattr(_workspaces, "cache", None)
+    if cache is None:
+        cache = _workspaces.cache = {}
+    key = (_place(like), n, part, method, chunk_size)
+    if key not in cache:
+        if len(cache) >= 64:  # bounded: shapes come from a model's buckets
+            cache.clear()
+        nbytes = kernels.compressed_nbytes(part, chunk_size, method)
+        cache[key] = _Workspace(like, n, part, nbytes)
+    return cache[key]
 
 
 def _exchange(flat: Any, average: bool, comm: Any, method: str, chunk_size: int,
               state: CompressionState | None) -> Any:
-    import numba
-    numba.set_num_threads(min(_cpu_share(), numba.config.NUMBA_NUM_THREADS))
     n = comm.size
     part = -(-flat.shape[0] // n) if flat.shape[0] else 0
-    padded = _padded(flat, n * part)
-    codes = _compress_parts(padded, n, part, method, chunk_size, state, worker=True)
-    received = alltoall(codes, group=comm)
-    mine = _reduce_parts(received, n, part, average)
-    gathered = allgather(_compress(mine, method, chunk_size, state, worker=False), group=comm)
-    out = _empty(flat, n * part, "float32")
+    ws = _workspace(flat, n, part, method, chunk_size)
+    _pad_into(ws.padded, flat)
     for j in range(n):
-        kernels.decompress(gathered[j], out=out[j * part:(j + 1) * part])
-    return out
+        _compress(ws.padded[j * part:(j + 1) * part], ws.codes[j], method, chunk_size, state,
+                  worker=True, offset=j * part, total=n * part)
+    alltoall(ws.codes, group=comm, out=ws.received)
+    _reduce_parts(ws, n, part, average)
+    _compress(ws.acc, ws.mine, method, chunk_size, state, worker=False)
+    allgather(ws.mine, group=comm, out=ws.gathered)
+    for j in range(n):
+        kernels.decompress(ws.gathered[j], out=ws.out[j * part:(j + 1) * part])
+    return ws.out
 
 
-def _compress_parts(padded: Any, n: int, part: int, method: str, chunk_size: int,
-                    state: CompressionState | None, worker: bool) -> Any:
-    pieces = [_compress(padded[j * part:(j + 1) * part], method, chunk_size, state, worker,
-                        offset=j * part, total=n * part) for j in range(n)]
-    nbytes = pieces[0].shape[0]
-    codes = _empty(padded, n * nbytes, "uint8").reshape(n, nbytes)
-    for j, piece in enumerate(pieces):
-        codes[j] = piece
-    return codes
-
-
-def _compress(x: Any, method: str, chunk_size: int, state: CompressionState | None,
-              worker: bool, offset: int = 0, total: int | None = None) -> Any:
+def _compress(x: Any, out: Any, method: str, chunk_size: int,
+              state: CompressionState | None, worker: bool, offset: int = 0,
+              total: int | None = None) -> None:
     if method == "minmax_uint8":
-        return kernels.quantize_minmax_uint8(x, chunk_size)
+        kernels.quantize_minmax_uint8(x, chunk_size, out=out)
+        return
     if worker:
         if state.worker is None or state.worker.shape[0] != total:
             state.worker = _zeros(x, total)
@@ -150,17 +168,17 @@ def _compress(x: Any, method: str, chunk_size: int, state: CompressionState | No
         if state.server is None or state.server.shape[0] != x.shape[0]:
             state.server = _zeros(x, x.shape[0])
         residual = state.server
-    return kernels.compress_sign(x, residual, chunk_size)
+    kernels.compress_sign(x, residual, chunk_size, out=out)
 
 
-def _reduce_parts(received: Any, n: int, part: int, average: bool) -> Any:
-    acc = _zeros(received, part)
-    scratch = _empty(received, part, "float32")
-    for j in range(n):  # rank order: the same sum on every run
-        acc += kernels.decompress(received[j], out=scratch)
+def _reduce_parts(ws: _Workspace, n: int, part: int, average: bool) -> None:
+    """``ws.acc`` = sum (or mean) of the ``n`` received versions of this rank's part, added
+    in rank order so the sum is the same on every run."""
+    ws.acc[...] = 0
+    for j in range(n):
+        ws.acc += kernels.decompress(ws.received[j], out=ws.scratch)
     if average:
-        acc /= n
-    return acc
+        ws.acc /= n
 
 
 # -- array helpers for numpy, torch and cupy alike --------------------------------------
@@ -196,13 +214,20 @@ def _float32_flat(tensor: Any) -> Any:
     return tensor.reshape(-1).astype("float32", copy=False)
 
 
-def _padded(flat: Any, total: int) -> Any:
-    out = _empty(flat, total, "float32")
+def _pad_into(out: Any, flat: Any) -> None:
+    """Copy ``flat`` into ``out``; the tail repeats the last value, which widens no chunk's
+    min-max range."""
     length = flat.shape[0]
     out[:length] = flat
-    if total > length:
+    if out.shape[0] > length:
         out[length:] = flat[length - 1] if length else 0
-    return out
+
+
+def _place(like: Any) -> str:
+    """Kind and device of an array, as a cache key."""
+    if _is_torch(like):
+        return f"torch:{like.device}"
+    return "numpy" if isinstance(like, np.ndarray) else f"cupy:{like.device.id}"
 
 
 def _write_back(tensor: Any, values: Any) -> None:
