@@ -202,7 +202,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--batch", type=int, default=16, help="per rank")
-    p.add_argument("--steps", type=int, default=4, help="timed steps")
+    p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
