@@ -12,7 +12,6 @@ rep) so machine noise hits all alike. Step times are per rank, then the maximum 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import commlib  # noqa: E402
 from commlib.algorithms.buckets import build  # noqa: E402
+import _common as C  # noqa: E402
 from models import WideMLP, resnet18_shapes  # noqa: E402
 
 
@@ -235,6 +235,7 @@ def plot(steps: dict[str, Any], buckets: dict[str, Any], n: int, path: str) -> N
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
@@ -267,11 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         report(steps, buckets, n)
         result = {"ranks": n, "args": vars(args), "steps": steps, "buckets": buckets,
                   "threads_per_rank": torch.get_num_threads()}
-        for path, write in ((args.json, lambda p: json.dump(result, open(p, "w"), indent=2)),
-                            (args.plot, lambda p: plot(steps, buckets, n, p))):
-            if path:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                write(path)
+        if args.json:
+            C.write_json(args.json, result)
+        if args.plot:
+            plot(steps, buckets, n, args.plot)
     return 0
 
 

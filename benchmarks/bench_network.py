@@ -25,6 +25,8 @@ import time
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402
 
 # name -> (algorithm, algorithm kwargs, optimizer); qadam's warm-up ends before timing.
 CONTENDERS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -80,7 +82,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
     import commlib
-    sys.path.insert(0, HERE)
     from bench_ddp import init_gloo
     from models import WideMLP
 
@@ -124,7 +125,6 @@ def worker(args: argparse.Namespace) -> None:
 # -- driver: one mpiexec job per rate ------------------------------------------------------
 
 def drive(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, HERE)
     from netsim import can_shape, run_limited
     shaped, why = can_shape()
     out: dict[str, Any] = {"ranks": args.ranks, "shaped": shaped, "why": why,
@@ -191,6 +191,7 @@ def plot(result: dict[str, Any], path: str) -> None:
                 title="bytes per step")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
@@ -219,11 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = drive(args)
     report(result)
-    for path, write in ((args.json, lambda p: json.dump(result, open(p, "w"), indent=2)),
-                        (args.plot, lambda p: plot(result, p))):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            write(path)
+    if args.json:
+        C.write_json(args.json, result)
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 

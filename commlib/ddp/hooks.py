@@ -3,7 +3,6 @@ the end-of-backward barrier."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
 
 import numpy as np
 import torch
