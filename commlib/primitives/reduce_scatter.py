@@ -6,6 +6,7 @@ the others ``L // n``. Any ``L`` works, 0 included; blocks differ by at most one
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from .. import accounting
@@ -17,8 +18,13 @@ from .work import Work
 
 def block_sizes(length: int, n: int) -> list[int]:
     """Elements of each rank's block for a flattened input of ``length`` elements."""
+    return list(_block_sizes(length, n))
+
+
+@lru_cache(maxsize=256)
+def _block_sizes(length: int, n: int) -> tuple[int, ...]:
     base, extra = divmod(length, n)
-    return [base + 1 if r < extra else base for r in range(n)]
+    return tuple(base + 1 if r < extra else base for r in range(n))
 
 
 def block_offsets(length: int, n: int) -> list[int]:
@@ -46,7 +52,7 @@ def reduce_scatter(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     comm.seq += 1
     if comm.checking:
         comm.verify("reduce_scatter", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name})
-    counts = block_sizes(buf.count, comm.size)
+    counts = _block_sizes(buf.count, comm.size)
     out = output(buf, (counts[rank],), "reduce_scatter", rank, out)
     accounting.record("reduce_scatter", buf.nbytes, comm.size)
     if async_op:
