@@ -50,32 +50,37 @@ def _optimizer(kind: str, params: Any) -> Any:
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
 
-def _time(step: Callable[[], None], args: argparse.Namespace) -> float:
-    import numpy as np
-    import commlib
+def _time(step: Callable[[], None], args: argparse.Namespace) -> list[float]:
+    """Seconds of each timed step on this rank (after ``warmup`` steps)."""
     for _ in range(args.warmup):
         step()
-    commlib.barrier()
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
-        times.append(commlib.allreduce(np.array([time.perf_counter() - start]), op="max")[0])
-    return float(statistics.median(times))
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def _measure(make: Callable[[], tuple[Any, Any, Callable[[], None]]],
-             args: argparse.Namespace) -> dict[str, float]:
+             args: argparse.Namespace, counted: bool = True) -> dict[str, float | None]:
+    """Median step time of the slowest rank, and the bytes this rank handed to MPI per
+    step (``None`` for a peer whose traffic commlib does not see)."""
+    import numpy as np
     import commlib
     model, closer, step = make()
+    commlib.barrier()
     commlib.stats(reset=True)
-    seconds = _time(step, args)
+    times = _time(step, args)
     counters = commlib.stats(reset=True)
     closer()
+    slowest = commlib.allreduce(np.array([statistics.median(times)]), op="max")[0]
     total = args.warmup + args.steps
-    return {"step_s": seconds,
-            "bytes_per_step": sum(v["bytes"] for v in counters.values()) / total,
-            "bus_bytes_per_step": sum(v["bus_bytes"] for v in counters.values()) / total}
+
+    def per_step(field: str) -> float | None:
+        return sum(v[field] for v in counters.values()) / total if counted else None
+    return {"step_s": float(slowest), "bytes_per_step": per_step("bytes"),
+            "bus_bytes_per_step": per_step("bus_bytes")}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -116,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
         algorithm, kwargs, opt = CONTENDERS[name]
         results[name] = _measure(ours(algorithm, kwargs, opt), args)
     init_gloo()
-    results["torch_ddp_gloo"] = _measure(theirs, args)
+    results["torch_ddp_gloo"] = _measure(theirs, args, counted=False)
     if commlib.get_rank() == 0:
         with open(args.out, "w") as fh:
             json.dump(results, fh)
@@ -158,8 +163,9 @@ def report(result: dict[str, Any]) -> None:
         base = rows["gradient_allreduce"]["step_s"]
         print(f"\n{label} Mbit/s        step ms   x gradient_allreduce   bus MB/step")
         for name, r in rows.items():
-            print(f"  {name:<28} {r['step_s'] * 1e3:9.1f}   {r['step_s'] / base:8.3f}"
-                  f"   {r['bus_bytes_per_step'] / 1e6:10.2f}")
+            bus = r["bus_bytes_per_step"]
+            shown = "   (gloo: not counted)" if bus is None else f"   {bus / 1e6:10.2f}"
+            print(f"  {name:<28} {r['step_s'] * 1e3:9.1f}   {r['step_s'] / base:8.3f}{shown}")
     target = result["rates_mbit"].get("1000")
     if target:
         g = target["gradient_allreduce"]["step_s"]
@@ -183,8 +189,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     for name in names:
         axes[0].plot(labels, [result["rates_mbit"][l][name]["step_s"] for l in labels],
                      marker="o", label=name)
-        axes[1].plot(labels, [result["rates_mbit"][l][name]["bus_bytes_per_step"] / 1e6
-                              for l in labels], marker="o", label=name)
+        if result["rates_mbit"][labels[0]][name]["bus_bytes_per_step"] is not None:
+            axes[1].plot(labels, [result["rates_mbit"][l][name]["bus_bytes_per_step"] / 1e6
+                                  for l in labels], marker="o", label=name)
     axes[0].set(yscale="log", xlabel="link rate (Mbit/s)", ylabel="step time (s)",
                 title=f"step time, {result['ranks']} ranks, one shared link")
     axes[1].set(yscale="log", xlabel="link rate (Mbit/s)", ylabel="bus MB per step (rank 0)",
