@@ -101,6 +101,19 @@ def calibrate(sync: Any, fns: Sequence[Callable[[], Any]], warmup: int, target_s
     return max(lo, min(hi, math.ceil(target_s / max(per_call, 1e-9))))
 
 
+def step_times(step: Callable[[], Any], warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` timed calls of ``step`` on this rank, after ``warmup``
+    untimed ones (training-step benchmarks: one call is one step)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def summarize(samples: Sequence[float]) -> dict[str, Any]:
     """Median, min and max of per-call times in seconds, and the samples, in microseconds."""
     us = [s * 1e6 for s in samples]

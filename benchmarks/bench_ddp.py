@@ -16,7 +16,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -36,16 +35,11 @@ def slowest(seconds: float) -> float:
 
 
 def time_steps(step: Callable[[], None], steps: int, warmup: int) -> float:
-    """Median seconds of ``step`` on this rank, after ``warmup`` calls, all ranks aligned."""
-    for _ in range(warmup):
-        step()
+    """Median seconds of ``step`` per rank after ``warmup`` calls, ranks aligned first; the
+    slowest rank's."""
+    C.step_times(step, warmup, 0)
     commlib.barrier()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return slowest(statistics.median(times))
+    return slowest(statistics.median(C.step_times(step, 0, steps)))
 
 
 def training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
@@ -156,14 +150,7 @@ def _alone(step: Callable[[], None], args: argparse.Namespace) -> float:
     """Rank 0 computes while the other ranks wait idle: the one-rank compute floor."""
     seconds = 0.0
     if commlib.get_rank() == 0:
-        for _ in range(args.warmup):
-            step()
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
+        seconds = statistics.median(C.step_times(step, args.warmup, args.steps))
     return float(commlib.broadcast(np.array([seconds]), src=0)[0])
 
 

@@ -21,7 +21,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,18 +49,6 @@ def _optimizer(kind: str, params: Any) -> Any:
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
 
-def _time(step: Callable[[], None], args: argparse.Namespace) -> list[float]:
-    """Seconds of each timed step on this rank (after ``warmup`` steps)."""
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _measure(make: Callable[[], tuple[Any, Any, Callable[[], None]]],
              args: argparse.Namespace, counted: bool = True) -> dict[str, float | None]:
     """Median step time of the slowest rank, and the bytes this rank handed to MPI per
@@ -71,7 +58,7 @@ def _measure(make: Callable[[], tuple[Any, Any, Callable[[], None]]],
     model, closer, step = make()
     commlib.barrier()
     commlib.stats(reset=True)
-    times = _time(step, args)
+    times = C.step_times(step, args.warmup, args.steps)
     counters = commlib.stats(reset=True)
     closer()
     slowest = commlib.allreduce(np.array([statistics.median(times)]), op="max")[0]
