@@ -9,3 +9,16 @@ import sys
 
 os.environ.setdefault("COMMLIB_TIMEOUT", "120")
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_thread_per_rank():
+    """Ranks share the machine's cores: one torch thread each avoids oversubscription."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,15 +13,10 @@ from torch import nn  # noqa: E402
 import commlib  # noqa: E402
 from models import SmallCNN  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
+
 KFAC = ["d_kfac", "dp_kfac"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread_per_rank():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def train(model, algorithm, lr, steps, batch_fn, eval_fn, **hp):

@@ -23,6 +23,8 @@ from models import MLP, SmallCNN  # noqa: E402
 from test_kfac_math import (ReferenceKFAC, grad_matrix, kfac_modules,  # noqa: E402
                             reference_factors, set_grad_matrix)
 
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
+
 D = torch.float64
 LR = 0.05
 
@@ -48,14 +50,6 @@ class Mixed(nn.Module):
 MODELS = {"mlp": (lambda: MLP(hidden=12), (10,), 4), "cnn": (SmallCNN, (1, 8, 8), 10),
           "mixed": (Mixed, (2, 6, 6), 3)}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread_per_rank():
-    """Ranks share the machine's cores: one torch thread each avoids oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def build(name):
