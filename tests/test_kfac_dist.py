@@ -10,7 +10,6 @@ test_kfac_math), with shards made deliberately different (inputs scaled by 1 + r
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
