@@ -134,3 +134,16 @@ class Communicator:
     def dup(self, name: str) -> "Communicator":
         """Collective: a communicator over the same ranks with its own message space."""
         return Communicator(self.mpi.Dup(), self.watchdog, name, self.world_ranks)
+
+    def free(self) -> None:
+        """Release the MPI communicators behind this one (the node and leader ones and the
+        checking one included); MPI has a limited number of them. Call it on every rank
+        once nothing uses the communicator any more."""
+        comms = [self.mpi, self._check_comm]
+        if self._node is not None:
+            comms += [c.mpi for c in self._node if c is not None]
+        for comm in comms:
+            if comm is not None and comm != MPI.COMM_NULL:
+                comm.Free()
+        self.mpi = MPI.COMM_NULL
+        self._check_comm = self._node = None

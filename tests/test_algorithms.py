@@ -93,6 +93,7 @@ def test_async_start_stop_cycles_leave_no_thread():
         engine.stop()
         assert not engine.running
     assert not any(t.name == "commlib-averager" for t in threading.enumerate())
+    engine.close()
     commlib.barrier()
 
 

@@ -123,6 +123,14 @@ def test_no_sync_accumulates_like_one_step_on_the_summed_gradient():
 
 
 @pytest.mark.mpi
+def test_close_releases_the_communicator():
+    ddp = commlib.DistributedDataParallel(make("mlp", torch.float64))
+    ddp.close()
+    assert ddp.process_group.comm is None
+    ddp.close()  # idempotent
+
+
+@pytest.mark.mpi
 def test_no_sync_makes_no_collective():
     ddp = commlib.DistributedDataParallel(make("mlp", torch.float64))
     try:

@@ -84,3 +84,14 @@ def test_hierarchical_counts_component_collectives(monkeypatch):
 def test_local_rank_and_size():
     lr, ls = commlib.get_local_rank(), commlib.get_local_size()
     assert 0 <= lr < ls <= commlib.get_world_size()
+
+
+@pytest.mark.mpi
+def test_freed_groups_release_their_communicators():
+    # MPICH has 2048 communicator ids per process: without free this loop would run out.
+    for _ in range(2500):
+        group = commlib.new_group()
+        group.free()
+    assert group.comm is None
+    with pytest.raises(commlib.CommError):
+        group.allreduce(np.zeros(1))

@@ -108,4 +108,6 @@ class AsyncModelAverage(Algorithm):
             self._averager.start()
 
     def teardown(self, ctx: Context) -> None:
-        self.abort()
+        if self._averager is not None:
+            self._averager.close()
+            self._averager = None

@@ -124,6 +124,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._hooks.remove()
         self.algorithm.teardown(self._ctx)
         self._engine.close()
+        self.process_group.free()
 
     def __del__(self) -> None:
         try:

@@ -72,6 +72,11 @@ class BackgroundAverager:
             error, self._error = self._error, None
             raise error
 
+    def close(self) -> None:
+        """Stop (see :meth:`stop`) and release the engine's communicator; call on every rank."""
+        self.stop()
+        self.group.free()
+
     def _loop(self) -> None:
         try:
             while self._agree_to_continue():

@@ -78,6 +78,13 @@ class Group:
     def barrier(self, async_op: bool = False) -> Any:
         return barrier(self, async_op)
 
+    def free(self) -> None:
+        """Release the group's communicators (on every member, once it is no longer used);
+        its collectives raise afterwards."""
+        if self.comm is not None:
+            self.comm.free()
+            self.comm = None
+
     def __repr__(self) -> str:
         return (f"<commlib.Group ranks={list(self.ranks)} rank={self.rank}"
                 f"{' hierarchical' if self.hierarchical else ''}>")
