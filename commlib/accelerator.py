@@ -53,14 +53,6 @@ def cupy() -> ModuleType:
     return mod
 
 
-def numba_cuda() -> ModuleType:
-    """``numba.cuda``; raises ``ImportError`` naming what is missing."""
-    mod = optional("numba.cuda")
-    if mod is None:
-        raise ImportError(f"numba.cuda is not importable; {CUDA_HINT}")
-    return mod
-
-
 def cuda_usable() -> dict[str, bool]:
     """Which GPU paths work on this machine (each probe is cheap and cached)."""
     out = {}

@@ -49,10 +49,6 @@ class Buf:
     def msg(self) -> list:
         return [self.mem, self.count, self.dt.mpi]
 
-    def host(self) -> np.ndarray:
-        """The host memory MPI uses (only valid for host or staged buffers)."""
-        return self.mem
-
     def finish(self) -> None:
         """After MPI is done: copy results back where needed and return staging memory."""
         after, self._after = self._after, None
@@ -215,20 +211,10 @@ def _upload(host_bytes: np.ndarray, dev_bytes: Any, kind: str) -> None:
         dev_bytes.set(host_bytes)
 
 
-_aware: bool | None = None
-
-
 def _cuda_aware() -> bool:
-    global _aware
-    if _aware is None:
-        _aware = accelerator.cuda_aware(options.cuda_aware)[0]
-    return _aware
-
-
-def reset_cuda_aware() -> None:
-    """Forget the cached CUDA-awareness decision (after the option changed)."""
-    global _aware
-    _aware = None
+    # accelerator caches the library query; the option is read each time so a change
+    # of commlib.options.cuda_aware takes effect.
+    return accelerator.cuda_aware(options.cuda_aware)[0]
 
 
 def empty_like(buf: Buf, shape: tuple) -> Any:

@@ -102,13 +102,3 @@ def _half_combiner(name: str, ufunc: Callable) -> Callable:
 
     return combine
 
-
-def free_user_ops() -> None:
-    """Release user-defined ops (before MPI finalizes)."""
-    for mop in _user_ops.values():
-        try:
-            mop.Free()
-        except MPI.Exception:
-            pass
-    _user_ops.clear()
-    _resolved.clear()

@@ -62,11 +62,6 @@ def world() -> Communicator:
     return _world if _world is not None else init()
 
 
-def watchdog() -> Watchdog:
-    world()
-    return _watchdog
-
-
 def thread_multiple() -> bool:
     """Whether MPI was initialized with ``MPI_THREAD_MULTIPLE`` (needed to communicate from a
     background thread while the main thread may also call MPI)."""

@@ -20,8 +20,9 @@ ABORT_EXIT_CODE = 70
 
 
 class Watchdog:
-    """``on_expiry(what)`` receives the ``what`` given to :meth:`arm` of the call that
-    overran its deadline."""
+    """A daemon thread watching ``armed``: thread id -> ``(deadline, what)``, written by
+    :meth:`commlib.communicator.Communicator.arm` around every blocking call (a dict store,
+    so it costs next to nothing). ``on_expiry(what)`` runs when a deadline passes."""
 
     def __init__(self, on_expiry: Callable[[Any], None], poll_s: float = 0.25) -> None:
         self._on_expiry = on_expiry
@@ -31,17 +32,6 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="commlib-watchdog", daemon=True)
         self._thread.start()
-
-    def arm(self, what: Any, timeout: float) -> None:
-        """Start the clock for the calling thread's pending blocking call.
-
-        ``what`` describes the call; it is handed to ``on_expiry`` untouched, so nothing is
-        formatted unless the deadline passes.
-        """
-        self.armed[threading.get_ident()] = (time.monotonic() + timeout, what)
-
-    def disarm(self) -> None:
-        self.armed.pop(threading.get_ident(), None)
 
     def stop(self) -> None:
         self._stop.set()

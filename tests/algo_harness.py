@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import commlib
+from commlib import accounting
 
 _DATA = None
 
@@ -69,7 +70,7 @@ def train(algorithm: str, steps: int = 60, batch: int = 16, lr: float = 0.1,
 
 
 def bus_bytes(counters: dict) -> int:
-    return sum(v["bus_bytes"] for v in counters.values())
+    return accounting.total(counters, "bus_bytes")
 
 
 def same_everywhere(tensors) -> bool:

@@ -108,9 +108,9 @@ class GradientHooks:
 
     def _finish_backward(self) -> None:
         try:
-            missing = [n for b in self.ctx.buckets for n, p in zip(b.names, b.tensors)
-                       if self._next <= b.index and id(p) not in self._touched
-                       and id(p) not in self._had_grad]
+            missing = [n for b in self.ctx.buckets[self._next:]
+                       for n, p in zip(b.names, b.tensors)
+                       if id(p) not in self._touched and id(p) not in self._had_grad]
             for f in self._futures:
                 f.result()
             if missing:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import commlib
+from commlib import accounting
 from commlib.primitives import allreduce
 
 
@@ -115,10 +116,6 @@ def make_optimizer(args: argparse.Namespace, ddp: nn.Module) -> torch.optim.Opti
     return QAdamOptimizer(ddp.parameters(), lr=lr)
 
 
-def _bytes_sent() -> int:
-    return sum(v["bytes"] for v in commlib.stats().values())
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algorithm", default="gradient_allreduce",
@@ -172,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ddp.average_parameters()
     accuracy = evaluate(ddp.module, test_set, rank, n)
     if rank == 0:
-        sent = _bytes_sent()
+        sent = accounting.total(commlib.stats(), "bytes")
         print(f"test accuracy {accuracy:.4f}  (bytes rank 0 handed to MPI: {sent:,})",
               flush=True)
     ddp.close()

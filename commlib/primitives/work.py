@@ -74,11 +74,3 @@ class Work:
         state = "completed" if self._done else "pending"
         return f"<commlib.Work {self._op} {state}>"
 
-
-class Done(Work):
-    """An already completed operation (a collective over a single rank, for example)."""
-
-    def __init__(self, result: Any) -> None:  # noqa: D401  (no MPI request at all)
-        self._done = True
-        self._result = result
-        self._req = None
