@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 # Distinct from timeout(1)'s 124, so a watchdog abort and an outer timeout read differently.
 ABORT_EXIT_CODE = 70
+# Seconds between printing the reason for an abort and calling MPI_Abort.
+ABORT_GRACE_S = 1.0
 
 
 class Watchdog:
@@ -52,6 +54,9 @@ def abort_job(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
         sys.stderr.flush()
     except Exception:
         pass
+    # The launcher forwards our stderr through a pipe, and MPI_Abort makes it tear the job
+    # down at once; without a moment's grace the diagnostic above is sometimes lost.
+    time.sleep(ABORT_GRACE_S)
     try:
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized():
