@@ -32,12 +32,13 @@ class Buf:
 
     __slots__ = ("obj", "kind", "dt", "mem", "count", "shape", "_after", "_staging")
 
-    def __init__(self, obj: Any, kind: str, dt: DType, mem: Any, shape: tuple) -> None:
+    def __init__(self, obj: Any, kind: str, dt: DType, mem: Any, shape: tuple,
+                 count: int | None = None) -> None:
         self.obj = obj
         self.kind = kind
         self.dt = dt
         self.mem = mem
-        self.count = math.prod(shape)
+        self.count = math.prod(shape) if count is None else count
         self.shape = shape
         self._after: Callable[[], None] | None = None
         self._staging: Any = None
@@ -76,6 +77,8 @@ def adapt(obj: Any, name: str, op: str, rank: int, *, write: bool = False,
           read: bool = True) -> Buf:
     """Prepare ``obj`` for MPI. ``write``: MPI writes into it (in-place result);
     ``read``: MPI reads its current contents (False for pure receive buffers)."""
+    if obj.__class__ is np.ndarray:  # the common case first: every call comes through here
+        return _adapt_numpy(obj, name, op, rank, write)
     kind = accelerator.kind_of(obj)
     if kind == "numpy":
         return _adapt_numpy(obj, name, op, rank, write)
@@ -93,11 +96,12 @@ def _adapt_numpy(a: np.ndarray, name: str, op: str, rank: int, write: bool) -> B
     dt = from_numpy(a.dtype)
     if dt is None:
         raise _bad_dtype(a.dtype, name, op, rank)
-    if write and not a.flags.writeable:
+    flags = a.flags
+    if write and not flags.writeable:
         raise ValueError(f"{where(op, rank)}: argument {name!r} is a read-only array, but "
                          f"{op} writes its result into it")
-    if a.flags.c_contiguous:
-        return Buf(a, "numpy", dt, a, a.shape)
+    if flags.c_contiguous:
+        return Buf(a, "numpy", dt, a, a.shape, a.size)
     mem = np.ascontiguousarray(a)
     buf = Buf(a, "numpy", dt, mem, a.shape)
     if write:

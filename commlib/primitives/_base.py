@@ -53,6 +53,8 @@ def divide(buf: Buf, n: int) -> None:
 
 def finish_reduce(buf: Buf, op: ReduceOp, n: int) -> None:
     """Complete an in-place reduction result: AVG division and copy-back, in that order."""
+    if op is not ReduceOp.AVG and buf._after is None and buf._staging is None:
+        return  # the common case: MPI reduced straight into the caller's memory
     on_host = isinstance(buf.mem, np.ndarray)
     if op is ReduceOp.AVG and on_host:
         divide(buf, n)
