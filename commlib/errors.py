@@ -14,3 +14,9 @@ class CommError(RuntimeError):
 def where(op: str, rank: int) -> str:
     """Prefix for error messages: which collective on which rank."""
     return f"commlib.{op} (rank {rank})"
+
+
+class NonFiniteError(CommError, FloatingPointError):
+    """Non-finite values (NaN or Inf) where commlib will not spread them: weights that an
+    algorithm would send into the other replicas. Raised on every rank that sees them,
+    naming the ranks whose values are non-finite; nothing was updated."""

@@ -7,13 +7,26 @@ the weights, averages the snapshot over all ranks and queues ``average - snapsho
 queued correction is added to the weights before the next forward pass (never between a
 forward and its backward, whose graph holds the weights), so local steps taken meanwhile
 are kept. Snapshots include the queued correction and never interleave with an optimizer
-step (a lock). ``abort()`` stops the background averaging on every rank
-after the current round (no thread and no request left); ``resume()`` (called on every
-rank) starts it again.
+step (the averager's hold, taken before the step and released after it; if the step
+raises, the hold is released by the next forward, step, ``average_parameters()``,
+``abort()``, close or exit, so nothing deadlocks). ``abort()`` stops the background
+averaging on every rank after the current round (no thread and no request left);
+``resume()`` (called on every rank) starts it again. A script that ends without closing
+the wrapper stops it the same way at exit, before MPI is finalized.
+
+``DistributedDataParallel.average_parameters()`` folds the queued correction into the
+weights, averages them while no round can snapshot or apply, and drops the corrections of
+the rounds that were in flight: afterwards every rank holds bitwise the same weights.
+
+Non-finite values: a round whose average is not finite is never applied; averaging stops
+on every rank and the next forward raises :class:`~commlib.errors.NonFiniteError` naming
+the ranks. A step skipped on one rank (``torch.amp.GradScaler`` found a non-finite
+gradient there) leaves that rank's weights finite and needs nothing from the others.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -37,6 +50,9 @@ class AsyncModelAverage(Algorithm):
         self._averager: BackgroundAverager | None = None
         self._weights: list[Bucket] = []
         self._queued: torch.Tensor | None = None
+        # Bumped by average_parameters(): corrections of rounds snapshotted before are dropped.
+        self._generation = 0
+        self._snapshot_generation = 0
 
     # -- warm-up: synchronous gradient averaging ---------------------------------------
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
@@ -66,16 +82,20 @@ class AsyncModelAverage(Algorithm):
         flat = torch.cat([pack(b) for b in self._weights])
         if self._queued is None:
             self._queued = torch.zeros_like(flat)
+        self._snapshot_generation = self._generation
         return flat.add_(self._queued)
 
     def _apply(self, delta: torch.Tensor) -> None:
-        """Background thread, under the lock: queue the correction for the next forward."""
-        self._queued.add_(delta)
+        """Background thread, under the lock: queue the correction for the next forward,
+        unless average_parameters() ran since the round's snapshot."""
+        if self._snapshot_generation == self._generation:
+            self._queued.add_(delta)
 
-    def before_forward(self, ctx: Context) -> None:
-        if self._averager is None or self._queued is None:
+    def _fold_queued(self) -> None:
+        """Main thread, under the lock: add the queued correction to the weights."""
+        if self._queued is None:
             return
-        with self._averager.lock, torch.no_grad():
+        with torch.no_grad():
             offset = 0
             for bucket in self._weights:
                 for p in bucket.tensors:
@@ -83,13 +103,32 @@ class AsyncModelAverage(Algorithm):
                     offset += p.numel()
             self._queued.zero_()
 
+    def before_forward(self, ctx: Context) -> None:
+        if self._averager is None:
+            return
+        self._averager.release()  # left by an optimizer step that raised
+        self._averager.check()
+        with self._averager.lock:
+            self._fold_queued()
+
     def before_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
         if self._averager is not None:
-            self._averager.lock.acquire()
+            self._averager.hold()
 
     def after_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
-        if self._averager is not None and self._averager.lock.locked():
-            self._averager.lock.release()
+        if self._averager is not None:
+            self._averager.release()
+
+    @contextlib.contextmanager
+    def parameters_averaging(self, ctx: Context) -> Iterator[None]:
+        if self._averager is None:
+            yield
+            return
+        self._averager.release()
+        with self._averager.lock:
+            self._fold_queued()
+            self._generation += 1
+            yield
 
     @property
     def rounds(self) -> int:
@@ -109,5 +148,5 @@ class AsyncModelAverage(Algorithm):
 
     def teardown(self, ctx: Context) -> None:
         if self._averager is not None:
-            self._averager.close()
-            self._averager = None
+            averager, self._averager = self._averager, None
+            averager.close()

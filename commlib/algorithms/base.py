@@ -17,6 +17,7 @@ Lifecycle, on every rank, in this order::
       before_optimizer_step(ctx, optimizer) / after_optimizer_step(ctx, optimizer)
       need_reset(ctx) -> reset(ctx) checked before each forward (e.g. end of a warm-up);
                                     buckets are rebuilt afterwards
+    with parameters_averaging(ctx): around DistributedDataParallel.average_parameters()
     teardown(ctx)                   when the wrapper is closed
 
 Hooks that communicate must make the same collectives in the same order on every rank.
@@ -26,8 +27,9 @@ thread then drives to completion.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
@@ -107,6 +109,13 @@ class Algorithm:
 
     def reset(self, ctx: Context) -> None:
         """Switch phase; buckets are rebuilt right after."""
+
+    @contextlib.contextmanager
+    def parameters_averaging(self, ctx: Context) -> Iterator[None]:
+        """Main thread, around ``DistributedDataParallel.average_parameters()``: whatever
+        the algorithm must settle so that every rank holds the same weights afterwards
+        (e.g. pending corrections, background rounds in flight)."""
+        yield
 
     def teardown(self, ctx: Context) -> None:
         """Stop background work; nothing of the algorithm may run afterwards."""

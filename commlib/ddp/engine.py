@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
+
+from .. import shutdown
 
 
 def drive(result: Any) -> Any:
@@ -46,6 +49,7 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
             self._thread.start()
+            shutdown.register(self)  # stopped before MPI is finalized if never closed
         self._queue.put((future, fn, args))
         return future
 
@@ -56,15 +60,28 @@ class Engine:
                 return
             _run(*item)
 
-    def close(self) -> None:
-        """Finish queued jobs and stop the thread (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish queued jobs and stop the thread (idempotent); wait ``timeout`` seconds at
+        most (None: as long as it takes). True once the thread has ended."""
+        if not self._closed:
+            self._closed = True
+            if self._thread is not None:
+                self._queue.put(None)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                return False
             self._thread = None
+            shutdown.unregister(self)
+        return True
+
+    def stop_at_exit(self, deadline: float) -> bool:
+        """:mod:`commlib.shutdown`: close by ``deadline`` (``time.monotonic()``)."""
+        return self.close(max(0.0, deadline - time.monotonic()))
+
+    def __repr__(self) -> str:
+        return f"<commlib.Engine {self._name!r}{' closed' if self._closed else ''}>"
 
 
 def _run(future: Future, fn: Callable[..., Any], args: tuple) -> None:

@@ -105,6 +105,10 @@ class DistributedDataParallel(torch.nn.Module):
     def average_parameters(self) -> None:
         """Collective: replace every parameter by its average over the group (e.g. to make
         decentralized or local-SGD replicas equal before evaluation or saving)."""
+        with self.algorithm.parameters_averaging(self._ctx):
+            self._average_parameters()
+
+    def _average_parameters(self) -> None:
         params = [p for p in self.module.parameters()]
         if not params or self.process_group.size == 1:
             return

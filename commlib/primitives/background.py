@@ -5,19 +5,25 @@ Rounds run on a dedicated duplicated communicator, so they never match the calle
 collectives. Each round first agrees, with a one-integer allreduce, whether every rank
 still wants to go on; a stop asked on any rank therefore ends the engine on every rank
 after the same round, and no rank is left waiting in a collective its peers never make.
-Needs ``MPI_THREAD_MULTIPLE``.
+A round whose average is not finite (a NaN or Inf in some rank's tensor) is never
+applied: every rank sees the same average, so every rank ends the engine after that round
+with a :class:`~commlib.errors.NonFiniteError` naming the ranks, raised by :meth:`check`
+and :meth:`stop`. The engine registers with :mod:`commlib.shutdown`, so a script that
+ends without :meth:`stop` stops it before MPI is finalized. Needs ``MPI_THREAD_MULTIPLE``.
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
-from .. import runtime
-from ..errors import CommError
+from .. import runtime, shutdown
+from ..errors import CommError, NonFiniteError
 from ..reduce_ops import ReduceOp
 from .allreduce import allreduce
+from .finite import all_finite, nonfinite_ranks
 from .group import new_group
 
 
@@ -28,6 +34,8 @@ class BackgroundAverager:
     the engine owns); ``apply(delta)`` (under ``lock``) receives ``average - snapshot`` so
     the caller keeps the local progress it made while the round was in flight. Create it
     on every rank of ``group`` (collective); ``start``/``stop`` may be called repeatedly.
+    :meth:`hold`/:meth:`release` keep rounds from snapshotting or applying meanwhile
+    (e.g. across an optimizer step).
     """
 
     def __init__(self, snapshot: Callable[[], Any], apply: Callable[[Any], None],
@@ -46,6 +54,7 @@ class BackgroundAverager:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._held = False
 
     @property
     def running(self) -> bool:
@@ -59,30 +68,74 @@ class BackgroundAverager:
         self._thread = threading.Thread(target=self._loop, name="commlib-averager",
                                         daemon=True)
         self._thread.start()
+        shutdown.register(self)
+
+    def hold(self) -> None:
+        """Take ``lock`` for the caller until :meth:`release`: no round snapshots or
+        applies meanwhile. A hold never released (the caller raised in between) is kept,
+        not taken twice, and is dropped by the next :meth:`release` or :meth:`stop`."""
+        if not self._held:
+            self.lock.acquire()
+            self._held = True
+
+    def release(self) -> None:
+        """End a :meth:`hold` (nothing happens without one)."""
+        if self._held:
+            self._held = False
+            self.lock.release()
+
+    def check(self) -> None:
+        """Raise the error that ended the averaging thread, if any (and forget it)."""
+        if self._error is not None and not self.running:
+            error, self._error = self._error, None
+            raise error
 
     def stop(self) -> None:
         """Ask every rank's engine to stop after the current round and wait until this
         rank's thread has ended (no thread, no pending request left). Re-raises an error
         the thread met."""
+        self.release()
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self.check()
 
     def close(self) -> None:
         """Stop (see :meth:`stop`) and release the engine's communicator; call on every rank."""
-        self.stop()
-        self.group.free()
+        try:
+            self.stop()
+        finally:
+            shutdown.unregister(self)
+            self.group.free()
+
+    def stop_at_exit(self, deadline: float) -> bool:
+        """:mod:`commlib.shutdown`: stop as :meth:`stop` does, waiting until ``deadline``
+        at most; True once the thread has ended. An error the thread met is printed."""
+        self.release()
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+            self._thread = None
+        if self._error is not None:
+            shutdown._note(f"background averaging had ended with "
+                           f"{type(self._error).__name__}: {self._error}")
+            self._error = None
+        return True
+
+    def __repr__(self) -> str:
+        return (f"<commlib.BackgroundAverager {'running' if self.running else 'stopped'}, "
+                f"{self.rounds} rounds>")
 
     def _loop(self) -> None:
         try:
             while self._agree_to_continue():
                 self._round()
                 self._stop.wait(self.interval_s)
-        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+        except BaseException as exc:  # noqa: BLE001 - reported by check() and stop()
             self._error = exc
 
     def _agree_to_continue(self) -> bool:
@@ -95,6 +148,13 @@ class BackgroundAverager:
             local = self._snapshot()
             base = local.clone() if hasattr(local, "clone") else local.copy()
         allreduce(local, op=ReduceOp.AVG, group=self.group)
+        if not all_finite(local):  # the same average everywhere: every rank stops here
+            bad = nonfinite_ranks(all_finite(base), self.group)
+            raise NonFiniteError(
+                f"commlib.BackgroundAverager (rank {self.group.rank}): the average of round "
+                f"{self.rounds + 1} is not finite (NaN or Inf in the tensors of group ranks "
+                f"{bad or 'none: the sum overflowed'}); it was not applied and background "
+                f"averaging stopped on every rank")
         local -= base
         with self.lock:
             self._apply(local)
