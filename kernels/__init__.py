@@ -7,15 +7,16 @@ Buffers of the same kind, element count and chunk size always have the same leng
 
 API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)::
 
-    quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, out=None, impl=None)
-        -> Array[uint8]
+    quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, out=None, impl=None,
+                          nonfinite="raise") -> Array[uint8]
     dequantize_minmax_uint8(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
-    compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, out=None, impl=None)
-        -> Array[uint8]                               # updates residual in place
+    compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, out=None, impl=None,
+                  nonfinite="raise") -> Array[uint8]  # updates residual in place
     decompress_sign(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
     decompress(buf: Array, out=None, *, impl=None) -> Array[f32]   # either kind
     compressed_nbytes(numel: int, chunk_size: int = 2048, kind: str = "minmax_uint8") -> int
     read_header(buf: Array) -> Layout     # kind, numel, chunk_size, nchunks, nbytes
+    all_chunks_finite(buf: Array) -> bool # False if some chunk is a NaN chunk
 
 Inputs of any shape are read flattened, as float32 (float16, float64 and torch bfloat16
 are converted first; float64 values beyond the float32 range become Inf and are
@@ -50,6 +51,11 @@ Non-finite input: NaN or Inf anywhere in ``x`` (for sign: in ``x + residual``) r
 and, for the sign compressor, ``residual`` is left unchanged. A chunk whose
 ``max - min`` overflows float32 (values of opposite sign near 3.4e38) is rejected the
 same way. Decompression trusts the buffer's contents after validating its header.
+With ``nonfinite="nan"`` the compressors raise nothing: such a chunk is encoded as a NaN
+chunk (its min and max, or its scale, are NaN and its data bytes zero), which
+decompresses to NaN; the sign compressor leaves that chunk's residual unchanged. This is
+how the compressed allreduce carries "some rank's input was not finite" to every rank at
+no cost. ``all_chunks_finite(buf)`` reads only the per-chunk parameters.
 
 The CPU kernels run on Numba's thread pool (``NUMBA_NUM_THREADS``); inputs under 64 Ki
 elements run on the calling thread. With several MPI ranks on one node, give each rank
@@ -66,16 +72,18 @@ from . import _threads
 
 _threads.configure()  # before anything imports Numba
 
-from ._api import (DEFAULT_CHUNK_SIZE, compress_sign, compressed_nbytes, decompress,
-                   decompress_sign, dequantize_minmax_uint8, quantize_minmax_uint8,
-                   read_header)
+from ._api import (DEFAULT_CHUNK_SIZE, NONFINITE_MODES, all_chunks_finite, compress_sign,
+                   compressed_nbytes, decompress, decompress_sign, dequantize_minmax_uint8,
+                   quantize_minmax_uint8, read_header)
 from ._layout import MINMAX_UINT8, SIGN1, Layout
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "MINMAX_UINT8",
+    "NONFINITE_MODES",
     "SIGN1",
     "Layout",
+    "all_chunks_finite",
     "compress_sign",
     "compressed_nbytes",
     "decompress",

@@ -29,6 +29,11 @@ TASKS_PER_THREAD = 4
 #: thread pool costs more than the work (and far more when cores are oversubscribed).
 PARALLEL_MIN_NUMEL = 1 << 16
 
+#: What the compressors do with a chunk they cannot encode (NaN or Inf; for min-max also
+#: a range beyond float32): ``"raise"`` ValueError, or ``"nan"``: encode the chunk as a
+#: NaN chunk (parameters NaN, data bytes zero) that decompresses to NaN.
+NONFINITE_MODES = ("raise", "nan")
+
 Array = Any  # numpy.ndarray | torch.Tensor | cupy.ndarray
 
 
@@ -99,6 +104,72 @@ def _raise_for_status(status: np.ndarray, lay: Layout, what: str, reasons: dict,
                      f"are affected; {consequence}")
 
 
+def _check_mode(nonfinite: str) -> None:
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+
+
+def _chunk_bytes(lay: Layout, c: int) -> tuple[int, int]:
+    """Byte range of chunk ``c`` in the data section."""
+    start = c * lay.chunk_size
+    length = min(lay.chunk_size, lay.numel - start)
+    if lay.kind == MINMAX_UINT8:
+        return start, start + length
+    first = c * lay.bits_stride
+    return first, first + -(-length // 8)
+
+
+def _mark_nan_chunks(params: Any, data: Any, bad: np.ndarray, lay: Layout) -> None:
+    """Turn the chunks ``bad`` of a compressed buffer into NaN chunks: parameters NaN,
+    data bytes zero. ``params``/``data`` are the buffer's sections, numpy arrays or Numba
+    device arrays."""
+    if isinstance(params, np.ndarray):
+        params[bad] = np.nan
+        for c in bad:
+            a, b = _chunk_bytes(lay, int(c))
+            data[a:b] = 0
+        return
+    host = params.copy_to_host()
+    host[bad] = np.nan
+    params.copy_to_device(host)
+    for c in bad:
+        a, b = _chunk_bytes(lay, int(c))
+        if b > a:
+            data[a:b].copy_to_device(np.zeros(b - a, np.uint8))
+
+
+def _residual_slices(residual: Any, bad: np.ndarray, lay: Layout) -> list:
+    """(start, stop, saved copy) of the residual of each chunk in ``bad``."""
+    saved = []
+    for c in bad:
+        a = int(c) * lay.chunk_size
+        b = min(a + lay.chunk_size, lay.numel)
+        part = residual[a:b]
+        saved.append((a, b, part.copy() if isinstance(part, np.ndarray)
+                      else part.copy_to_host()))
+    return saved
+
+
+def _restore_residual(residual: Any, saved: list) -> None:
+    for a, b, values in saved:
+        if isinstance(residual, np.ndarray):
+            residual[a:b] = values
+        else:
+            residual[a:b].copy_to_device(values)
+
+
+def all_chunks_finite(buf: Array) -> bool:
+    """Whether no chunk of the compressed buffer ``buf`` (any kind or device) is a NaN
+    chunk (see ``nonfinite="nan"``). Reads the header and the per-chunk parameters only
+    (8 or 4 bytes per chunk); every chunk with finite parameters decompresses to finite
+    values."""
+    kind = A.kind_of(buf)
+    lay = read_header(buf)
+    head = A.host_uint8(buf, kind, lay.data_offset)
+    params = head[lay.params_offset:lay.data_offset].view(np.float32)
+    return bool(np.isfinite(params).all())
+
+
 def _host_output(like: Array, kind: str, n: int, dtype: str, out: Array | None):
     """(flat host array of ``dtype`` to fill, call returning the caller-visible result:
     ``out`` itself when given, else a new array of ``like``'s kind and device)."""
@@ -148,7 +219,18 @@ _MINMAX_REASONS = {
 }
 
 
-def _quantize_cpu(x: Array, kind: str, lay: Layout, out: Array | None) -> Array:
+def _minmax_status(status: np.ndarray, params: Any, q: Any, lay: Layout,
+                   nonfinite: str) -> None:
+    if nonfinite == "nan":
+        if status.any():
+            _mark_nan_chunks(params, q, np.flatnonzero(status), lay)
+        return
+    _raise_for_status(status, lay, "quantize_minmax_uint8", _MINMAX_REASONS,
+                      "nothing was returned")
+
+
+def _quantize_cpu(x: Array, kind: str, lay: Layout, out: Array | None,
+                  nonfinite: str) -> Array:
     buf, finish = _host_output(x, kind, lay.nbytes, "uint8", out)
     _write_header(buf, lay)
     params, q = sections(buf, lay)
@@ -157,12 +239,12 @@ def _quantize_cpu(x: Array, kind: str, lay: Layout, out: Array | None) -> Array:
         if lay.nchunks:
             _minmax_cpu.quantize(A.host_float32(x, kind), lay.chunk_size, params, q,
                                  status, _ntasks(lay.nchunks))
-    _raise_for_status(status, lay, "quantize_minmax_uint8", _MINMAX_REASONS,
-                      "nothing was returned")
+    _minmax_status(status, params, q, lay, nonfinite)
     return finish()
 
 
-def _quantize_cuda(x: Array, kind: str, lay: Layout, out: Array | None) -> Array:
+def _quantize_cuda(x: Array, kind: str, lay: Layout, out: Array | None,
+                   nonfinite: str) -> Array:
     mod = _cuda_module("minmax")
     with D.on_device(x, kind):
         dev, finish = D.output(x, kind, lay.nbytes, "uint8", out)
@@ -170,13 +252,13 @@ def _quantize_cuda(x: Array, kind: str, lay: Layout, out: Array | None) -> Array
         params, q = sections(dev, lay)
         d_status = D.status_array(lay.nchunks)
         mod.quantize(D.to_device(x, kind, True), lay.chunk_size, params, q, d_status)
-        _raise_for_status(d_status.copy_to_host(), lay, "quantize_minmax_uint8",
-                          _MINMAX_REASONS, "nothing was returned")
+        _minmax_status(d_status.copy_to_host(), params, q, lay, nonfinite)
         return finish()
 
 
 def quantize_minmax_uint8(x: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                          out: Array | None = None, impl: str | None = None) -> Array:
+                          out: Array | None = None, impl: str | None = None,
+                          nonfinite: str = "raise") -> Array:
     """Chunked min-max uint8 quantization of ``x``.
 
     ``x``: any shape, float16/float32/float64 (or torch bfloat16); read as flat float32.
@@ -185,12 +267,15 @@ def quantize_minmax_uint8(x: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
     many elements, e.g. one slot of an alltoall send buffer) when given, else a new one.
     ``impl``: ``"cpu"``, ``"cuda"`` or None (where ``x`` lives).
     Raises ``ValueError`` if a chunk holds NaN/Inf or spans more than float32 can hold;
-    ``out`` then holds garbage.
+    ``out`` then holds garbage. With ``nonfinite="nan"`` such chunks are encoded as NaN
+    chunks instead (min = max = NaN, codes 0; they decompress to NaN) and the others as
+    usual.
     """
+    _check_mode(nonfinite)
     kind, lay = _start(x, MINMAX_UINT8, chunk_size, out)
     if _impl(impl, A.is_gpu(x, kind), lay.numel) == "cpu":
-        return _quantize_cpu(x, kind, lay, out)
-    return _quantize_cuda(x, kind, lay, out)
+        return _quantize_cpu(x, kind, lay, out, nonfinite)
+    return _quantize_cuda(x, kind, lay, out, nonfinite)
 
 
 def dequantize_minmax_uint8(buf: Array, out: Array | None = None, *,
@@ -223,8 +308,16 @@ _SIGN_REASONS = {
 }
 
 
+def _sign_bad_chunks(status: np.ndarray, lay: Layout, nonfinite: str) -> np.ndarray:
+    """Chunks to encode as NaN chunks (``nonfinite="nan"``); raises for ``"raise"``."""
+    if nonfinite == "raise":
+        _raise_for_status(status, lay, "compress_sign", _SIGN_REASONS,
+                          "residual was left unchanged")
+    return np.flatnonzero(status)
+
+
 def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout,
-                       out: Array | None) -> Array:
+                       out: Array | None, nonfinite: str) -> Array:
     xf = A.host_float32(x, kind)
     r = A.host_inplace(residual, kind)
     r_host = A.host_float32(residual, kind) if r is None else r
@@ -236,17 +329,20 @@ def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout,
         if lay.nchunks:
             _sign_cpu.chunk_scales(xf, r_host, lay.chunk_size, scales, status,
                                    _ntasks(lay.nchunks))
-        _raise_for_status(status, lay, "compress_sign", _SIGN_REASONS,
-                          "residual was left unchanged")
+        bad = _sign_bad_chunks(status, lay, nonfinite)
+        saved = _residual_slices(r_host, bad, lay) if bad.size else []
         if lay.nchunks:
             _sign_cpu.pack_signs(xf, r_host, lay.chunk_size, scales, bits, lay.bits_stride)
+        if bad.size:
+            _restore_residual(r_host, saved)
+            _mark_nan_chunks(scales, bits, bad, lay)
     if r is None:
         A.copy_from_host(residual, kind, r_host)
     return finish()
 
 
 def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout,
-                        out: Array | None) -> Array:
+                        out: Array | None, nonfinite: str) -> Array:
     mod = _cuda_module("sign")
     with D.on_device(x, kind):
         d_x = D.to_device(x, kind, True)
@@ -256,15 +352,19 @@ def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout,
         scales, bits = sections(dev, lay)
         d_status = D.status_array(lay.nchunks)
         mod.chunk_scales(d_x, d_r, lay.chunk_size, scales, d_status)
-        _raise_for_status(d_status.copy_to_host(), lay, "compress_sign", _SIGN_REASONS,
-                          "residual was left unchanged")
+        bad = _sign_bad_chunks(d_status.copy_to_host(), lay, nonfinite)
+        saved = _residual_slices(d_r, bad, lay) if bad.size else []
         mod.pack_signs(d_x, d_r, lay.chunk_size, scales, bits, lay.bits_stride)
+        if bad.size:
+            _restore_residual(d_r, saved)
+            _mark_nan_chunks(scales, bits, bad, lay)
         write_back()
         return finish()
 
 
 def compress_sign(x: Array, residual: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                  out: Array | None = None, impl: str | None = None) -> Array:
+                  out: Array | None = None, impl: str | None = None,
+                  nonfinite: str = "raise") -> Array:
     """1-bit sign compression of ``v = x + residual`` with error feedback.
 
     ``x``: any shape, float16/float32/float64 (or torch bfloat16); read as flat float32.
@@ -273,14 +373,17 @@ def compress_sign(x: Array, residual: Array, chunk_size: int = DEFAULT_CHUNK_SIZ
     ``v - decompress_sign(result)``. Start it at zeros. Returns a 1-D uint8 array of
     ``compressed_nbytes(x.size, chunk_size, "sign1")`` bytes on ``x``'s device; ``out``
     and ``impl`` as for ``quantize_minmax_uint8``.
-    Raises ``ValueError`` (residual untouched) if a chunk's mean |v| is not finite.
+    Raises ``ValueError`` (residual untouched) if a chunk's mean |v| is not finite. With
+    ``nonfinite="nan"`` such chunks are encoded as NaN chunks instead (scale NaN, bits 0;
+    they decompress to NaN) and keep their residual; the others are compressed as usual.
     """
+    _check_mode(nonfinite)
     kind, lay = _start(x, SIGN1, chunk_size, out)
     A.same_place(x, residual, "residual")
     A.check_writable(residual, kind, "residual", "float32", lay.numel)
     if _impl(impl, A.is_gpu(x, kind), lay.numel) == "cpu":
-        return _compress_sign_cpu(x, kind, residual, lay, out)
-    return _compress_sign_cuda(x, kind, residual, lay, out)
+        return _compress_sign_cpu(x, kind, residual, lay, out, nonfinite)
+    return _compress_sign_cuda(x, kind, residual, lay, out, nonfinite)
 
 
 def decompress_sign(buf: Array, out: Array | None = None, *,

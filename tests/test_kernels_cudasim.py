@@ -101,6 +101,24 @@ def test_non_finite_input_raises_the_same_error(impl):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator only
+def test_nan_chunks_are_byte_identical():
+    x = np.linspace(-1, 1, 300, dtype=F32)
+    x[70], x[200], x[250], x[251] = np.nan, -np.inf, -3e38, 3e38
+    cpu = kernels.quantize_minmax_uint8(x, 60, impl="cpu", nonfinite="nan")
+    gpu = kernels.quantize_minmax_uint8(x, 60, impl="cuda", nonfinite="nan")
+    assert np.array_equal(cpu, gpu) and not kernels.all_chunks_finite(gpu)
+    residual = np.linspace(-0.1, 0.1, 300, dtype=F32)
+    r_cpu, r_gpu = residual.copy(), residual.copy()
+    cpu = kernels.compress_sign(x[:240], r_cpu[:240], 60, impl="cpu", nonfinite="nan")
+    gpu = kernels.compress_sign(x[:240], r_gpu[:240], 60, impl="cuda", nonfinite="nan")
+    assert np.array_equal(cpu, gpu)
+    assert np.array_equal(_bits(r_cpu), _bits(r_gpu))
+    for a in (60, 180):  # the NaN chunks kept their residual
+        assert np.array_equal(_bits(r_cpu[a:a + 60]), _bits(residual[a:a + 60]))
+    assert not np.array_equal(_bits(r_cpu[120:180]), _bits(residual[120:180]))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator only
 def test_range_overflow_raises_on_the_cuda_path():
     with pytest.raises(ValueError, match="max - min beyond the float32 range"):
         kernels.quantize_minmax_uint8(np.array([-3e38, 3e38], F32), 2, impl="cuda")
