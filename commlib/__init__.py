@@ -4,7 +4,7 @@ Launch with ``mpiexec -n N python train.py``. The functional API follows
 ``torch.distributed``: collectives take numpy arrays, torch tensors (CPU or CUDA) and cupy
 arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Work` handle.
 """
-from .errors import CommError
+from .errors import CommError, NonFiniteError
 from .options import Options, options
 from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, barrier,
                          block_offsets, block_sizes, broadcast, new_group, recv, reduce,
@@ -28,7 +28,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CommError", "DistributedDataParallel", "Group", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "CommError", "DistributedDataParallel", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
     "allreduce", "alltoall", "barrier", "block_offsets", "block_sizes", "broadcast",
     "get_local_rank", "get_local_size", "get_rank", "get_world_size", "init",
     "is_initialized", "new_group", "options", "recv", "reduce", "reduce_scatter", "send",

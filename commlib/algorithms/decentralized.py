@@ -8,6 +8,11 @@ the optimizer then applies the local gradient: ``x_{t+1} = avg_peers(x_t) - lr *
 Communication thus overlaps the whole forward/backward. Replicas differ during training
 (they only agree under ``"all"``); ``DistributedDataParallel.average_parameters()`` makes
 them equal, e.g. before evaluation.
+
+Non-finite weights are never averaged into the replicas: when an averaged snapshot holds
+NaN or Inf (some rank took a step on non-finite gradients), every rank that received it
+(every rank under ``"all"``, the pair under ``"shift_one"``) raises
+:class:`~commlib.errors.NonFiniteError` naming the rank, and keeps its own weights.
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ from typing import Any
 
 import torch
 
-from ..primitives import PEER_MODES, peer_average
+from ..errors import NonFiniteError
+from ..primitives import PEER_MODES, peer_average, shift_one_peer
+from ..primitives.finite import all_finite, nonfinite_ranks
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import pack, unpack
 from .registry import register
@@ -52,9 +59,21 @@ class Decentralized(Algorithm):
         self._pending = ctx.submit(self._exchange, ctx, flats, step)
 
     def _exchange(self, ctx: Context, flats: list[torch.Tensor], step: int) -> None:
-        for flat in flats:
-            peer_average(flat, self.peer_selection_mode, step // self.communication_interval,
-                         group=ctx.group)
+        round_ = step // self.communication_interval
+        for bucket, flat in zip(ctx.buckets, flats):
+            peer_average(flat, self.peer_selection_mode, round_, group=ctx.group)
+            if not all_finite(flat):  # seen by every rank that averaged with the bad one
+                self._non_finite(ctx, bucket, round_)
+
+    def _non_finite(self, ctx: Context, bucket: Any, round_: int) -> None:
+        own = all(all_finite(t) for t in bucket.tensors)  # not yet overwritten
+        if self.peer_selection_mode == "all":
+            bad = nonfinite_ranks(own, ctx.group)
+        else:
+            bad = [ctx.rank] if not own else [shift_one_peer(ctx.rank, ctx.world_size, round_)]
+        raise NonFiniteError(f"decentralized (rank {ctx.rank}): the weights of rank(s) {bad} "
+                             f"are not finite at optimizer step {ctx.step} (a step taken on "
+                             f"non-finite gradients?); the average was not applied")
 
     def before_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
         self._finish(ctx)

@@ -16,6 +16,12 @@ to ``x = x_pub - lr * update``. After every ``communication_interval``-th step::
 The mean runs over the distinct ring members (two with two ranks). Each link carries one
 byte per weight per direction (plus 8 bytes per chunk), and replicas never drift: both
 ends add the same decompressed bytes.
+
+Non-finite weights are never sent into the replicas: a rank whose weights hold NaN or
+Inf (an optimizer step taken on non-finite gradients) sends NaN chunks instead, and it
+and its ring neighbours raise :class:`~commlib.errors.NonFiniteError` naming it before
+any replica or weight is updated. A step that ``torch.amp.GradScaler`` skipped leaves the
+weights finite.
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ from typing import Any
 
 import torch
 
+from ..errors import NonFiniteError
 from ..primitives import compressed_ring_exchange
+from ..primitives.finite import all_finite
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import pack, unpack
 from .registry import register
@@ -58,12 +66,23 @@ class LowPrecisionDecentralized(Algorithm):
 
     def _exchange(self, ctx: Context) -> None:
         two = ctx.world_size == 2
+        # Non-finite weights make the first bucket's message non-finite, so the neighbours
+        # stop before updating any replica.
+        finite = all([all_finite(pack(bucket)) for bucket in ctx.buckets])
         for bucket, rep in zip(ctx.buckets, self._replicas):
-            x, pub = pack(bucket), rep["pub"]
+            x, pub = bucket.flat, rep["pub"]
             members = [pub, rep["left"]] if two else [pub, rep["left"], rep["right"]]
             target = torch.stack(members).mean(0) + (x - pub)
-            mine, from_left, from_right = compressed_ring_exchange(
-                target - pub, ctx.group, self.chunk_size)
+            if not finite:
+                target.fill_(float("nan"))
+            try:
+                mine, from_left, from_right = compressed_ring_exchange(
+                    target - pub, ctx.group, self.chunk_size)
+            except NonFiniteError as exc:
+                raise NonFiniteError(
+                    f"low_precision_decentralized (rank {ctx.rank}): the weights of rank(s) "
+                    f"{exc.ranks} are not finite after optimizer step {ctx.step} (a step "
+                    f"taken on non-finite gradients?); no replica was updated") from exc
             rep["pub"] += mine
             rep["left"] += from_left
             rep["right"] += from_right

@@ -10,6 +10,13 @@ the compressed allreduce in its preconditioned form ``u = m / (sqrt(v_hat) + eps
 ``m = avg(u) * (sqrt(v_hat) + eps)`` and the optimizer steps on it with the frozen variance:
 ``p <- p - lr * m_hat / (sqrt(v_hat) + eps)``. Gradients themselves no longer travel.
 
+Non-finite gradients: a NaN or Inf on any rank travels as NaN chunks of ``u`` to every
+rank (see :mod:`commlib.primitives.compressed`); the step's momentum updates and
+error-feedback residuals are computed aside and kept only when every bucket's result is
+finite, the same decision on every rank. Otherwise nothing is kept and every rank's
+gradients are set to NaN, so ``torch.amp.GradScaler`` (or any finite check) skips the step
+on every rank, and the next step is exactly what it would have been without the bad one.
+
 Why ``u`` and not ``m``: the frozen variance is the same on every rank, so averaging ``u``
 is averaging ``m``; but ``u`` has Adam's per-element scale (order one everywhere), while
 ``m`` spans orders of magnitude inside one compression chunk (a bias before batch norm has
@@ -118,6 +125,7 @@ class QAdam(Algorithm):
         self.compressing = False
         self._optimizer: QAdamOptimizer | None = None
         self._momentum: list[torch.Tensor] = []
+        self._next: list[torch.Tensor] = []  # this step's momentum, kept if finite
         self._denom: list[torch.Tensor] = []
         self._states: list[CompressionState] = []
 
@@ -138,6 +146,7 @@ class QAdam(Algorithm):
     def make_buckets(self, ctx: Context) -> list[Bucket]:
         buckets = super().make_buckets(ctx)
         self._momentum = [torch.zeros_like(b.flat) for b in buckets]
+        self._next = [torch.empty_like(b.flat) for b in buckets]
         self._states = [CompressionState() for _ in buckets]
         if self.compressing and self._optimizer is not None:
             self._bind(ctx, self._optimizer, buckets)
@@ -166,18 +175,34 @@ class QAdam(Algorithm):
         group = self._optimizer.param_groups[0] if self._optimizer else {"betas": (0.9, 0.999),
                                                                           "weight_decay": 0.0}
         beta1, wd = group["betas"][0], group["weight_decay"]
-        m = self._momentum[bucket.index]
+        m, u = self._momentum[bucket.index], self._next[bucket.index]
         with torch.no_grad():
             g = bucket.flat
             if wd:
                 g = g + wd * torch.cat([p.detach().reshape(-1) for p in bucket.tensors])
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            torch.mul(m, beta1, out=u).add_(g, alpha=1 - beta1)
             # Bounded like Adam's own steps, so one outlier cannot stretch the range of a
             # compression chunk and drown its neighbours in quantization error.
-            u = m.div_(self._denom[bucket.index]).clamp_(-self.max_update, self.max_update)
+            u.div_(self._denom[bucket.index]).clamp_(-self.max_update, self.max_update)
         compressed_allreduce(u, op=ReduceOp.AVG, group=ctx.group, method=self.compression,
                              chunk_size=self.chunk_size, state=self._states[bucket.index],
-                             hierarchical=self.hierarchical)
+                             hierarchical=self.hierarchical, commit=False)
         with torch.no_grad():
             u.mul_(self._denom[bucket.index])
         return None
+
+    def after_backward(self, ctx: Context) -> None:
+        """Keep the step's momentum and residuals if every bucket's result is finite (the
+        same on every rank); otherwise keep nothing and make every gradient NaN."""
+        if not self.compressing:
+            return
+        finite = all(state.finite for state in self._states)
+        with torch.no_grad():
+            for bucket, m, u, state in zip(ctx.buckets, self._momentum, self._next,
+                                           self._states):
+                if finite:
+                    state.commit()
+                    m.copy_(u)
+                else:
+                    state.discard()
+                    bucket.flat.fill_(float("nan"))

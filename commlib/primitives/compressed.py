@@ -18,6 +18,15 @@ worker's on the whole padded input, the server's on the rank's reduced part) in 
 :class:`CompressionState` the caller owns, one per tensor. With ``hierarchical=True`` the
 node's ranks first reduce in full precision to the node leader, leaders run the
 compressed allreduce, and leaders broadcast the result inside the node.
+
+Non-finite input (``nonfinite="propagate"``, the default): a chunk holding NaN or Inf on
+any rank travels as a NaN chunk (the kernels' ``nonfinite="nan"``: NaN parameters in the
+chunk's header, which the payload carries anyway), so its reduction and then every rank's
+result are NaN in that chunk: non-finite input anywhere gives non-finite output
+everywhere, identically, with no extra message and no extra pass over the data. A call
+whose result is not finite changes no :class:`CompressionState`. ``nonfinite="raise"``
+is the plain path: the kernel raises ``ValueError`` on the rank whose input is not finite
+(only there) and residuals are updated in place.
 """
 from __future__ import annotations
 
@@ -32,48 +41,106 @@ from ..errors import where
 from ..reduce_ops import ReduceOp, as_reduce_op
 from ._base import resolve
 from .allgather import allgather
+from .finite import all_finite
 from .alltoall import alltoall
 from .broadcast import broadcast
 from .reduce import reduce
 
 METHODS = ("minmax_uint8", "sign1")
+NONFINITE = ("propagate", "raise")
 
 
 class CompressionState:
     """Error-feedback residuals of one tensor under ``sign1`` (created empty; sized on
-    first use; reset with :meth:`reset`)."""
+    first use; reset with :meth:`reset`).
+
+    Under ``nonfinite="propagate"`` a call computes its residual updates into scratch
+    residuals and ``finite`` tells whether its result was finite (the same on every
+    rank). With ``commit=True`` the updates replace ``worker``/``server`` when it was, and
+    are dropped when it was not; with ``commit=False`` they wait for :meth:`commit` (or
+    :meth:`discard`), so that a caller exchanging several tensors per step (one state
+    each) can keep all of the step's updates or none."""
 
     def __init__(self) -> None:
         self.worker: Any = None
         self.server: Any = None
+        self.finite = True
+        self._next: list[Any] = [None, None]  # scratch worker, server residuals
+        self._staged = False
 
     def reset(self) -> None:
         self.worker = self.server = None
+        self._next = [None, None]
+        self._staged = False
+        self.finite = True
+
+    def commit(self) -> None:
+        """Keep the updates of the last call made with ``commit=False`` (if its result was
+        finite; otherwise there is nothing to keep)."""
+        if self._staged:
+            self._staged = False
+            (self.worker, self._next[0]), (self.server, self._next[1]) = \
+                (self._next[0], self.worker), (self._next[1], self.server)
+
+    def discard(self) -> None:
+        """Drop the updates of the last call made with ``commit=False``."""
+        self._staged = False
+
+    def _scratch(self, like: Any, worker_n: int, server_n: int) -> tuple[Any, Any]:
+        """Scratch residuals holding the committed ones (zeros when sized anew)."""
+        self._staged = False
+        if self.worker is None or self.worker.shape[0] != worker_n:
+            self.worker = _zeros(like, worker_n)
+        if self.server is None or self.server.shape[0] != server_n:
+            self.server = _zeros(like, server_n)
+        scratch = []
+        for k, committed in enumerate((self.worker, self.server)):
+            if self._next[k] is None or self._next[k].shape[0] != committed.shape[0]:
+                self._next[k] = _empty(like, committed.shape[0], "float32")
+            self._next[k][...] = committed
+            scratch.append(self._next[k])
+        return scratch[0], scratch[1]
+
+    def _finished(self, finite: bool, commit: bool) -> None:
+        self.finite = finite
+        self._staged = finite
+        if commit:
+            self.commit()
 
 
 def compressed_allreduce(tensor: Any, op: ReduceOp = ReduceOp.AVG, group: Any = None,
                          method: str = "minmax_uint8", chunk_size: int = 2048,
                          state: CompressionState | None = None,
-                         hierarchical: bool = False) -> Any:
+                         hierarchical: bool = False, nonfinite: str = "propagate",
+                         commit: bool = True) -> Any:
     """Allreduce ``tensor`` (floating point, any shape; numpy, torch CPU/CUDA or cupy) in
     place through compressed exchanges (see the module docstring). ``op``: SUM or AVG.
     ``method``: ``"minmax_uint8"`` or ``"sign1"`` (needs ``state``). Every rank of the
     group calls it with the same shape, dtype and arguments and ends with identical
-    values. Returns ``tensor``."""
+    values. ``nonfinite``: ``"propagate"`` (NaN or Inf on any rank gives NaN in the
+    affected chunks on every rank, and ``state`` is not changed) or ``"raise"``.
+    ``commit``: see :class:`CompressionState`. Returns ``tensor``."""
     comm = resolve(group, "compressed_allreduce")
     op = as_reduce_op(op, "compressed_allreduce", comm.rank)
-    _check_args(tensor, op, method, state, comm.rank)
+    _check_args(tensor, op, method, state, comm.rank, nonfinite)
     if comm.size == 1:
         return tensor
     if hierarchical:
-        return _hierarchical(tensor, op, comm, method, chunk_size, state)
+        return _hierarchical(tensor, op, comm, method, chunk_size, state, nonfinite, commit)
     flat = _float32_flat(tensor)
-    result = _exchange(flat, op is ReduceOp.AVG, comm, method, chunk_size, state)
+    result, finite = _exchange(flat, op is ReduceOp.AVG, comm, method, chunk_size, state,
+                               nonfinite)
     _write_back(tensor, result[:flat.shape[0]])
+    if state is not None and nonfinite == "propagate":
+        state._finished(finite, commit)
     return tensor
 
 
-def _check_args(tensor: Any, op: ReduceOp, method: str, state: Any, rank: int) -> None:
+def _check_args(tensor: Any, op: ReduceOp, method: str, state: Any, rank: int,
+                nonfinite: str) -> None:
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"{where('compressed_allreduce', rank)}: argument 'nonfinite' must "
+                         f"be one of {NONFINITE}, got {nonfinite!r}")
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"{where('compressed_allreduce', rank)}: argument 'op' must be "
                          f"ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
@@ -89,16 +156,19 @@ def _check_args(tensor: Any, op: ReduceOp, method: str, state: Any, rank: int) -
 
 
 def _hierarchical(tensor: Any, op: ReduceOp, comm: Any, method: str, chunk_size: int,
-                  state: CompressionState | None) -> Any:
+                  state: CompressionState | None, nonfinite: str, commit: bool) -> Any:
     local, leaders = comm.node()
     reduce(tensor, dst=0, op=ReduceOp.SUM, group=local)
     if leaders is not None and leaders.size > 1:
         flat = _float32_flat(tensor)
-        result = _exchange(flat, False, leaders, method, chunk_size, state)
+        result, _ = _exchange(flat, False, leaders, method, chunk_size, state, nonfinite)
         _write_back(tensor, result[:flat.shape[0]])
     broadcast(tensor, src=0, group=local)
     if op is ReduceOp.AVG:
         tensor /= comm.size
+    if state is not None and nonfinite == "propagate":
+        # The broadcast result is the same everywhere, so is this decision.
+        state._finished(all_finite(tensor), commit)
     return tensor
 
 
@@ -137,38 +207,51 @@ def _workspace(like: Any, n: int, part: int, method: str, chunk_size: int) -> _W
 
 
 def _exchange(flat: Any, average: bool, comm: Any, method: str, chunk_size: int,
-              state: CompressionState | None) -> Any:
+              state: CompressionState | None, nonfinite: str) -> tuple[Any, bool]:
+    """(result, whether it is finite: the same on every rank; only worked out when there
+    is a ``state`` to keep or not)."""
     n = comm.size
     part = -(-flat.shape[0] // n) if flat.shape[0] else 0
     ws = _workspace(flat, n, part, method, chunk_size)
+    mode = "nan" if nonfinite == "propagate" else "raise"
+    worker, server = _residuals(state, flat, n * part, part, nonfinite, method)
     _pad_into(ws.padded, flat)
     for j in range(n):
-        _compress(ws.padded[j * part:(j + 1) * part], ws.codes[j], method, chunk_size, state,
-                  worker=True, offset=j * part, total=n * part)
+        residual = None if worker is None else worker[j * part:(j + 1) * part]
+        _compress(ws.padded[j * part:(j + 1) * part], ws.codes[j], method, chunk_size,
+                  residual, mode)
     alltoall(ws.codes, group=comm, out=ws.received)
     _reduce_parts(ws, n, part, average)
-    _compress(ws.acc, ws.mine, method, chunk_size, state, worker=False)
+    _compress(ws.acc, ws.mine, method, chunk_size, server, mode)
     allgather(ws.mine, group=comm, out=ws.gathered)
     for j in range(n):
         kernels.decompress(ws.gathered[j], out=ws.out[j * part:(j + 1) * part])
-    return ws.out
+    finite = (state is None or mode == "raise"
+              or all(kernels.all_chunks_finite(ws.gathered[j]) for j in range(n)))
+    return ws.out, finite
 
 
-def _compress(x: Any, out: Any, method: str, chunk_size: int,
-              state: CompressionState | None, worker: bool, offset: int = 0,
-              total: int | None = None) -> None:
+def _residuals(state: CompressionState | None, like: Any, worker_n: int, server_n: int,
+               nonfinite: str, method: str) -> tuple[Any, Any]:
+    """(worker, server) residuals this call updates: the committed ones themselves for
+    ``"raise"``, scratch copies for ``"propagate"`` (kept or not after the exchange)."""
+    if method != "sign1":
+        return None, None
+    if nonfinite == "propagate":
+        return state._scratch(like, worker_n, server_n)
+    if state.worker is None or state.worker.shape[0] != worker_n:
+        state.worker = _zeros(like, worker_n)
+    if state.server is None or state.server.shape[0] != server_n:
+        state.server = _zeros(like, server_n)
+    return state.worker, state.server
+
+
+def _compress(x: Any, out: Any, method: str, chunk_size: int, residual: Any,
+              mode: str) -> None:
     if method == "minmax_uint8":
-        kernels.quantize_minmax_uint8(x, chunk_size, out=out)
-        return
-    if worker:
-        if state.worker is None or state.worker.shape[0] != total:
-            state.worker = _zeros(x, total)
-        residual = state.worker[offset:offset + x.shape[0]]
+        kernels.quantize_minmax_uint8(x, chunk_size, out=out, nonfinite=mode)
     else:
-        if state.server is None or state.server.shape[0] != x.shape[0]:
-            state.server = _zeros(x, x.shape[0])
-        residual = state.server
-    kernels.compress_sign(x, residual, chunk_size, out=out)
+        kernels.compress_sign(x, residual, chunk_size, out=out, nonfinite=mode)
 
 
 def _reduce_parts(ws: _Workspace, n: int, part: int, average: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import NonFiniteError, where
 from ..reduce_ops import ReduceOp
 from ._base import resolve
 from .allreduce import allreduce
@@ -85,21 +86,42 @@ def compressed_ring_exchange(tensor: Any, group: Any = None,
     receive theirs. Returns ``(mine, from_left, from_right)``, all decompressed float32 of
     ``tensor``'s kind: ``mine`` is exactly what the neighbours decode from this rank, so
     replicas kept by both sides of a link stay identical. With 2 ranks both neighbours are
-    the same rank (one exchange); with 1 rank ``from_left``/``from_right`` are ``mine``."""
+    the same rank (one exchange); with 1 rank ``from_left``/``from_right`` are ``mine``.
+
+    A tensor with NaN or Inf still travels (as NaN chunks), so the exchange completes on
+    both sides of every link; then this rank and its neighbours raise
+    :class:`~commlib.errors.NonFiniteError` (``.ranks``: the ring ranks whose tensors were
+    not finite) instead of returning anything."""
     import kernels
     comm = resolve(group, "compressed_ring_exchange")
     flat = tensor.reshape(-1)
-    codes = kernels.quantize_minmax_uint8(flat, chunk_size)
-    mine = kernels.dequantize_minmax_uint8(codes)
+    codes = kernels.quantize_minmax_uint8(flat, chunk_size, nonfinite="nan")
     if comm.size == 1:
+        _check_finite(comm, [(comm.rank, codes)])
+        mine = kernels.dequantize_minmax_uint8(codes)
         return mine, mine, mine
     left, right = ring_neighbors(comm.rank, comm.size)
     from_left = codes.copy() if hasattr(codes, "copy") else codes.clone()
     sendrecv(codes, right, from_left, left, tag=1, group=group)
+    from_right = from_left
+    if comm.size > 2:
+        from_right = from_left.copy() if hasattr(from_left, "copy") else from_left.clone()
+        sendrecv(codes, left, from_right, right, tag=2, group=group)
+    _check_finite(comm, [(comm.rank, codes), (left, from_left), (right, from_right)])
+    mine = kernels.dequantize_minmax_uint8(codes)
     if comm.size == 2:
         got = kernels.dequantize_minmax_uint8(from_left)
         return mine, got, got
-    from_right = from_left.copy() if hasattr(from_left, "copy") else from_left.clone()
-    sendrecv(codes, left, from_right, right, tag=2, group=group)
     return (mine, kernels.dequantize_minmax_uint8(from_left),
             kernels.dequantize_minmax_uint8(from_right))
+
+
+def _check_finite(comm: Any, received: list) -> None:
+    import kernels
+    bad = sorted({r for r, codes in received if not kernels.all_chunks_finite(codes)})
+    if bad:
+        error = NonFiniteError(f"{where('compressed_ring_exchange', comm.rank)}: the tensor of "
+                               f"ring rank(s) {bad} is not finite (NaN or Inf); nothing was "
+                               f"returned")
+        error.ranks = bad
+        raise error

@@ -9,6 +9,11 @@ Per training step, on every rank (``step`` = optimizer steps taken so far)::
     after_backward    [factor update] [inverse update iff step % inv_update_steps == 0]
                       precondition, KL-clip, write into p.grad (in place)
 
+Non-finite gradients (a NaN or Inf on any rank: the allreduce spreads it, so every rank
+sees it): the step's factors are dropped and nothing else is done, on every rank alike;
+the gradients stay non-finite, so ``torch.amp.GradScaler`` skips the step everywhere and
+factors and inverses are as if the step never happened.
+
 Subclasses decide where factors and inverses live and what travels (:meth:`_update_factors`,
 :meth:`_update_inverses`, :meth:`_preconditioned`).
 """
@@ -18,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...primitives.finite import all_finite
 from ..base import Context
 from ..gradient_allreduce import GradientAllReduce
 from . import inverses
@@ -122,6 +128,10 @@ class KFAC(GradientAllReduce):
         self._capture.armed = ctx.step % self.factor_update_steps == 0
 
     def after_backward(self, ctx: Context) -> None:
+        if not all(all_finite(b.flat) for b in ctx.buckets):  # averaged: same everywhere
+            self._capture.clear()
+            self._capture.armed = False
+            return
         if ctx.step % self.factor_update_steps == 0:
             self._capture.record_peak()
             self._update_factors(ctx, first=self._factor_updates == 0)

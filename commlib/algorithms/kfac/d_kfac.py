@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import NonFiniteError
 from ...primitives import allgather_v, allreduce
+from ...primitives.finite import all_finite
 from ...reduce_ops import ReduceOp
 from ..base import Context
 from ..buckets import build
@@ -71,6 +73,11 @@ class DKFAC(KFAC):
         with self._timers.phase("communication"):
             for future in pending:
                 future.result()
+        if not all(all_finite(b.flat) for b in self._buckets):  # averaged: same everywhere
+            raise NonFiniteError(f"d_kfac (rank {ctx.rank}): the averaged Kronecker factors "
+                                 f"are not finite while the gradients are (activations or "
+                                 f"output gradients overflow); lower the learning rate or "
+                                 f"the loss scale")
 
     def _update_inverses(self, ctx: Context) -> None:
         """Owners invert; one allgather_v shares every inverse; every rank (owners included)

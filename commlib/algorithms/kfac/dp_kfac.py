@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...primitives import allgather_v
+from ...primitives.finite import all_finite
 from ..base import Context
 from .core import KFAC, Result
 from .factors import update_running
@@ -51,13 +52,13 @@ class DPKFAC(KFAC):
 
     def _update_factors(self, ctx: Context, first: bool) -> None:
         """Owned layers only, from this rank's batch. ``first`` is not needed: a layer's first
-        factors (whenever they come) are taken as they are. A layer that missed this step
-        keeps its factors."""
+        factors (whenever they come) are taken as they are. A layer that missed this step,
+        or whose batch factors overflowed, keeps its factors."""
         with self._timers.phase("factors"):
             for layer in self.owned():
                 a = self._capture.batch_factor(layer, "A")
                 g = self._capture.batch_factor(layer, "G")
-                if a is None or g is None:
+                if a is None or g is None or not (all_finite(a) and all_finite(g)):
                     continue
                 held = self._factors.get(layer.index)
                 if held is None:
