@@ -35,8 +35,6 @@ from typing import Any
 
 import numpy as np
 
-import kernels
-
 from ..errors import where
 from ..reduce_ops import ReduceOp, as_reduce_op
 from ._base import resolve
@@ -48,6 +46,13 @@ from .reduce import reduce
 
 METHODS = ("minmax_uint8", "sign1")
 NONFINITE = ("propagate", "raise")
+
+
+def _kernels():
+    """The compression kernels, imported on first use: Numba then loads with the first
+    compressed exchange instead of at ``import commlib``."""
+    import kernels
+    return kernels
 
 
 class CompressionState:
@@ -201,7 +206,7 @@ def _workspace(like: Any, n: int, part: int, method: str, chunk_size: int) -> _W
     if key not in cache:
         if len(cache) >= 64:  # bounded: shapes come from a model's buckets
             cache.clear()
-        nbytes = kernels.compressed_nbytes(part, chunk_size, method)
+        nbytes = _kernels().compressed_nbytes(part, chunk_size, method)
         cache[key] = _Workspace(like, n, part, nbytes)
     return cache[key]
 
@@ -225,9 +230,9 @@ def _exchange(flat: Any, average: bool, comm: Any, method: str, chunk_size: int,
     _compress(ws.acc, ws.mine, method, chunk_size, server, mode)
     allgather(ws.mine, group=comm, out=ws.gathered)
     for j in range(n):
-        kernels.decompress(ws.gathered[j], out=ws.out[j * part:(j + 1) * part])
+        _kernels().decompress(ws.gathered[j], out=ws.out[j * part:(j + 1) * part])
     finite = (state is None or mode == "raise"
-              or all(kernels.all_chunks_finite(ws.gathered[j]) for j in range(n)))
+              or all(_kernels().all_chunks_finite(ws.gathered[j]) for j in range(n)))
     return ws.out, finite
 
 
@@ -249,9 +254,9 @@ def _residuals(state: CompressionState | None, like: Any, worker_n: int, server_
 def _compress(x: Any, out: Any, method: str, chunk_size: int, residual: Any,
               mode: str) -> None:
     if method == "minmax_uint8":
-        kernels.quantize_minmax_uint8(x, chunk_size, out=out, nonfinite=mode)
+        _kernels().quantize_minmax_uint8(x, chunk_size, out=out, nonfinite=mode)
     else:
-        kernels.compress_sign(x, residual, chunk_size, out=out, nonfinite=mode)
+        _kernels().compress_sign(x, residual, chunk_size, out=out, nonfinite=mode)
 
 
 def _reduce_parts(ws: _Workspace, n: int, part: int, average: bool) -> None:
@@ -259,7 +264,7 @@ def _reduce_parts(ws: _Workspace, n: int, part: int, average: bool) -> None:
     in rank order so the sum is the same on every run."""
     ws.acc[...] = 0
     for j in range(n):
-        ws.acc += kernels.decompress(ws.received[j], out=ws.scratch)
+        ws.acc += _kernels().decompress(ws.received[j], out=ws.scratch)
     if average:
         ws.acc /= n
 

@@ -1,0 +1,127 @@
+"""``async_model_average`` under faults; driven by test_async_faults.py under ``mpiexec``.
+
+Usage: python async_program.py MODE [--steps N]
+
+``end``        train, then the script ends without close() (nor average_parameters())
+``sys_exit``   train, then ``sys.exit(0)`` without close()
+``exception``  train, then an uncaught exception (run with COMMLIB_ABORT_ON_EXCEPTION=0:
+               the process ends with status 1 through the normal exit path)
+``stuck``      rank 1's averaging thread fails mid-training, so the others' threads wait
+               forever in their next round; the script ends without close()
+``step_raises``  ``optimizer.step`` raises on the last rank at step 10 (a closure that
+               raises); the program catches it and trains on
+``average``    ``average_parameters()`` at several points while rounds are in flight; every
+               rank reports whether the replicas were bitwise identical right after it and
+               after the next forward; ``--control`` averages without the algorithm's
+               cooperation (the replica check must then report a difference)
+
+Prints ``RESULT {json}`` on every rank that gets to the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import commlib
+
+
+def make_ddp(interval_ms: float):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 10))
+    return commlib.DistributedDataParallel(model, algorithm="async_model_average",
+                                           sync_interval_ms=interval_ms)
+
+
+def step(ddp, opt, rank: int, i: int, closure=None) -> None:
+    g = torch.Generator().manual_seed(1000 * i + rank)
+    x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+    opt.zero_grad()
+    F.cross_entropy(ddp(x), y).backward()
+    opt.step(closure) if closure is not None else opt.step()
+
+
+def identical(ddp) -> bool:
+    """Collective (world, main thread): are every rank's parameters bitwise the same?"""
+    mine = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]).numpy()
+    rows = commlib.allgather(np.ascontiguousarray(mine).view(np.uint32))
+    return bool((rows == rows[0]).all())
+
+
+def wait_for_a_round(ddp, timeout: float = 30.0) -> None:
+    start, end = ddp.algorithm.rounds, time.monotonic() + timeout
+    while ddp.algorithm.rounds == start and time.monotonic() < end:
+        time.sleep(0.002)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--control", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    commlib.init()
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    ddp = make_ddp(5 if args.mode in ("end", "sys_exit", "exception", "stuck") else 1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    result: dict = {"rank": rank}
+
+    if args.mode == "stuck" and rank == 1:
+        def broken():
+            raise RuntimeError("rank 1: snapshot failed on purpose")
+        ddp.algorithm._averager._snapshot = broken
+
+    if args.mode == "average":
+        checks = []
+        for i in range(args.steps):
+            step(ddp, opt, rank, i)
+            if i % 10 == 9:
+                wait_for_a_round(ddp)  # corrections queued since the last forward
+                if args.control:
+                    ddp._average_parameters()  # without the algorithm's cooperation
+                else:
+                    ddp.average_parameters()
+                right_after = identical(ddp)
+                with torch.no_grad():
+                    ddp(torch.zeros(1, 64))  # applies queued corrections
+                checks.append([right_after, identical(ddp)])
+        result.update(checks=checks, rounds=ddp.algorithm.rounds)
+        ddp.close()
+    elif args.mode == "step_raises":
+        rounds_at_fault = None
+        for i in range(args.steps):
+            if i == 10 and rank == n - 1:
+                def closure():
+                    raise RuntimeError(f"rank {rank}: closure failed on purpose")
+                try:
+                    step(ddp, opt, rank, i, closure)
+                except RuntimeError as exc:
+                    print(f"rank {rank}: caught {exc}", flush=True)
+                rounds_at_fault = ddp.algorithm.rounds
+                continue
+            step(ddp, opt, rank, i)
+            if i == 10:
+                rounds_at_fault = ddp.algorithm.rounds
+        wait_for_a_round(ddp)
+        result.update(rounds_at_fault=rounds_at_fault, rounds=ddp.algorithm.rounds)
+        ddp.close()
+    else:
+        for i in range(args.steps):
+            step(ddp, opt, rank, i)
+        result.update(rounds=ddp.algorithm.rounds)
+    print(f"RESULT {json.dumps(result)}", flush=True)
+    if args.mode == "sys_exit":
+        sys.exit(0)
+    if args.mode == "exception":
+        raise RuntimeError(f"rank {rank}: the script ends with an exception on purpose")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""One cell of the fault matrix: train a small model with one algorithm and inject one fault
+on one rank; driven by test_fault_matrix.py under ``mpiexec``.
+
+Usage: python fault_matrix_program.py ALGORITHM FAULT [--step K] [--steps N] [--rank R]
+
+The model (four linear layers, ``bucket_cap_mb`` small) spans several gradient buckets;
+the fault happens on rank R (default: the last rank) at step K (default 12 of 30), after
+that step's backward, i.e. with the step's exchanges done and its optimizer step pending:
+
+``raise``        R raises RuntimeError (uncaught)
+``exit``         R calls ``sys.exit(3)``
+``kill``         R sends itself SIGKILL
+``nan``          R's loss is multiplied by NaN before backward; every rank skips the
+                 optimizer step when one of its own gradients is not finite, exactly as
+                 ``torch.amp.GradScaler`` does (scale 1: loss scaling would change the
+                 math of qadam and K-FAC, which is not what this matrix tests)
+``step_raises``  ``optimizer.step`` raises on R (its closure raises before any update);
+                 the program catches the exception and goes on training
+``noclose``      no fault; the script ends without ``close()`` (nor any collective after
+                 the last step)
+
+Lines printed for the test: ``FAULT {json}`` on R right before a fault that ends the
+process, and ``RESULT {json}`` on every rank that finishes: the steps it skipped, whether
+its parameters are finite, whether they changed after step K (training went on), digests
+of its parameters at the end of training and, except for ``noclose``, after
+``average_parameters()`` followed by one more forward (which applies anything an
+algorithm left pending).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import commlib
+
+FAULTS = ("raise", "exit", "kill", "nan", "step_raises", "noclose")
+
+# Each algorithm's interesting phase active by the time of the fault.
+KWARGS = {
+    "gradient_allreduce": {},
+    "bytegrad": {"chunk_size": 256},
+    "qadam": {"warmup_steps": 4, "chunk_size": 256},  # compressed (sign1) from step 4
+    "decentralized": {"peer_selection_mode": "shift_one"},
+    "low_precision_decentralized": {"chunk_size": 256},
+    "local_sgd": {"sync_every": 4},
+    "async_model_average": {"sync_interval_ms": 2, "warmup_steps": 0},  # rounds in flight
+    "d_kfac": {"lr": 0.05, "factor_update_steps": 2, "inv_update_steps": 4},
+    "dp_kfac": {"lr": 0.05, "factor_update_steps": 2, "inv_update_steps": 4},
+}
+BUCKET_CAP_MB = 0.01  # ~10 KB: the 44 KB model spans 6 buckets
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 10))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def optimizer(algorithm: str, params) -> torch.optim.Optimizer:
+    if algorithm == "qadam":
+        from commlib.algorithms.qadam import QAdamOptimizer
+        return QAdamOptimizer(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def digest(module: torch.nn.Module) -> str:
+    return hashlib.sha256(flat(module).numpy().tobytes()).hexdigest()[:16]
+
+
+def announce(kind: str, **fields) -> None:
+    print(f"{kind} {json.dumps(fields)}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("algorithm", choices=sorted(KWARGS))
+    parser.add_argument("fault", choices=FAULTS)
+    parser.add_argument("--step", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rank", type=int, default=-1)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    commlib.init()
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    bad = (args.rank % n) == rank
+    k = args.step
+
+    ddp = commlib.DistributedDataParallel(model(), algorithm=args.algorithm,
+                                          bucket_cap_mb=BUCKET_CAP_MB,
+                                          **KWARGS[args.algorithm])
+    opt = optimizer(args.algorithm, ddp.parameters())
+    skipped, failed, losses = [], [], []
+    after_fault = None
+
+    def fault(kind: str) -> bool:
+        if bad and step == k and args.fault == kind:
+            if kind in ("raise", "exit", "kill"):
+                announce("FAULT", rank=rank, step=k, fault=kind, time=time.time())
+            return True
+        return False
+
+    for step in range(args.steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        if fault("nan"):
+            loss = loss * float("nan")
+        loss.backward()
+        losses.append(loss.item())
+        if fault("raise"):
+            raise RuntimeError(f"rank {rank} failed on purpose at step {k}")
+        if fault("exit"):
+            sys.exit(3)
+        if fault("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters()
+                   if p.grad is not None):
+            skipped.append(step)  # GradScaler-style: no optimizer step
+        elif fault("step_raises"):
+            def closure():
+                raise RuntimeError(f"rank {rank}: closure failed on purpose at step {k}")
+            try:
+                opt.step(closure)
+            except RuntimeError as exc:
+                failed.append(step)
+                print(f"rank {rank}: caught {exc}", flush=True)
+        else:
+            opt.step()
+        if step == k:
+            after_fault = flat(ddp.module).clone()
+
+    result = dict(rank=rank, skipped=skipped, failed=failed,
+                  finite=bool(torch.isfinite(flat(ddp.module)).all()),
+                  changed_after_fault=not torch.equal(after_fault, flat(ddp.module)),
+                  loss_first=losses[0], loss_last=losses[-1], digest_end=digest(ddp.module))
+    if args.fault != "noclose":
+        ddp.average_parameters()
+        with torch.no_grad():
+            ddp(batch(rank, args.steps)[0])  # applies whatever an algorithm left pending
+        result["digest_avg"] = digest(ddp.module)
+        ddp.close()
+    announce("RESULT", **result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The fault matrix: every built-in algorithm x every fault x {2, 3} ranks, each cell an
+``mpiexec`` job of ``fault_matrix_program.py`` (see its docstring for the faults) under an
+outer timeout.
+
+A cell passes when the job either
+
+* completes correctly (``nan``, ``step_raises``, ``noclose``): exit status 0, a result
+  from every rank, parameters finite and changed after the fault step (training went
+  on), replicas bitwise identical where the algorithm promises it (gradient-exchanging
+  algorithms at the end of training, except after ``step_raises``, where the rank that
+  missed its update differs by the user's doing; every algorithm after
+  ``average_parameters()``), and, under ``nan``, every rank skipped exactly the bad step
+  when gradients travel (only the bad rank when they do not: its gradients are its own);
+  ``step_raises``: exactly the bad rank's step failed; or
+* ends (``raise``, ``exit``, ``kill``): a non-zero status within 30 s of the fault, no
+  rank finishing, and a message naming the cause (the rank and its exception, the
+  watchdog's pending collective whose peer is missing, the killed process);
+
+and never: a hang (outer timeout), a crash (a signal other than the injected SIGKILL,
+"Segmentation fault", "terminate called", "corrupted", ...), corrupted results.
+
+The cells run concurrently (``COMMLIB_FAULT_MATRIX_JOBS`` jobs at a time, default 4: a
+job's ranks mostly wait) in a module fixture that runs the cells selected (``-k`` works);
+the table (algorithm x fault x ranks: outcome, seconds) is printed in the test output and
+written to ``$COMMLIB_FAULT_MATRIX_TABLE`` when set. Run it alone with
+``pytest -m fault_matrix tests``; it also runs in the default suite (serial session).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pytest
+
+from fault_matrix_program import FAULTS, KWARGS
+from helpers import clean_env, run_mpi, serial_only
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "fault_matrix_program.py")
+ALGORITHMS = sorted(KWARGS)
+SIZES = (2, 3)
+FAULT_STEP = 12
+#: Gradients travel: a non-finite gradient anywhere reaches every rank, replicas stay equal.
+GRADIENT_ALGORITHMS = {"gradient_allreduce", "bytegrad", "qadam", "d_kfac", "dp_kfac"}
+COMPLETES = ("nan", "step_raises", "noclose")
+BOUND_S = 30.0           # a failing job must be over this long after the fault
+WATCHDOG_S = "10"        # COMMLIB_TIMEOUT of the jobs
+OUTER_TIMEOUT_S = 150    # beyond this a job counts as hung
+CRASH = re.compile(r"Segmentation fault|terminate called|corrupted|core dumped|double free|"
+                   r"free\(\)|malloc\(\)|Fatal Python error|\(signal (?!9\))\d+\)")
+CRASH_STATUS = {4, 6, 7, 8, 11, 15}  # hydra reports a rank's fatal signal as the status
+
+pytestmark = [serial_only, pytest.mark.fault_matrix, pytest.mark.timeout(3600)]
+
+
+@dataclass
+class Cell:
+    algorithm: str
+    fault: str
+    ranks: int
+    status: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    output: str = ""
+
+    @property
+    def outcome(self) -> str:
+        if self.problems:
+            return "FAIL"
+        return "ok" if self.fault in COMPLETES else f"ended {self.status}"
+
+
+def judge(cell: Cell, out: str, ended_at: float) -> None:
+    """Fill ``cell.problems`` from the job's status and output (see the module docstring)."""
+    p = cell.problems
+    # Ranks' lines may interleave in the launcher's output: match the objects themselves.
+    fault_lines = [json.loads(m) for m in re.findall(r"FAULT (\{[^{}]*\})", out)]
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
+    crash = CRASH.search(out)
+    if cell.status == -9:
+        p.append(f"hang: killed after the outer timeout of {OUTER_TIMEOUT_S} s")
+    elif crash or cell.status in CRASH_STATUS - ({9} if cell.fault == "kill" else set()):
+        p.append(f"crash: status {cell.status}, {crash.group(0) if crash else 'signal'!r}")
+    if cell.fault in COMPLETES:
+        _judge_completed(cell, results)
+        return
+    bad_rank = cell.ranks - 1
+    if cell.status == 0:
+        p.append("status 0: the job did not end")
+    if results:
+        p.append(f"ranks {[r['rank'] for r in results]} finished although rank {bad_rank} "
+                 f"failed")
+    if not fault_lines:
+        p.append("no FAULT line: the fault never happened")
+    elif ended_at - fault_lines[0]["time"] > BOUND_S:
+        p.append(f"ended {ended_at - fault_lines[0]['time']:.0f} s after the fault "
+                 f"(bound {BOUND_S:.0f} s)")
+    named = {"raise": f"rank {bad_rank} failed on purpose" in out and "uncaught" in out,
+             "exit": "did not complete within" in out or "EXIT CODE: 3" in out,
+             "kill": "signal 9" in out}[cell.fault]
+    if not named:
+        p.append("no message names the cause")
+
+
+def _judge_completed(cell: Cell, results: list[dict]) -> None:
+    p, n, k, bad_rank = cell.problems, cell.ranks, FAULT_STEP, cell.ranks - 1
+    if cell.status != 0:
+        p.append(f"status {cell.status}")
+    if sorted(r["rank"] for r in results) != list(range(n)):
+        p.append(f"results from ranks {sorted(r['rank'] for r in results)} of {n}")
+        return
+    by_rank = sorted(results, key=lambda r: r["rank"])
+    if not all(r["finite"] and math.isfinite(r["loss_last"]) for r in by_rank):
+        p.append("non-finite parameters or loss at the end")
+    if not all(r["changed_after_fault"] for r in by_rank):
+        p.append("parameters did not change after the fault step")
+    gradients = cell.algorithm in GRADIENT_ALGORITHMS
+    if cell.fault == "nan":
+        want = [[k] if gradients or r == bad_rank else [] for r in range(n)]
+        if [r["skipped"] for r in by_rank] != want:
+            p.append(f"skipped steps per rank {[r['skipped'] for r in by_rank]}, "
+                     f"expected {want}")
+    if cell.fault == "step_raises":
+        want = [[k] if r == bad_rank else [] for r in range(n)]
+        if [r["failed"] for r in by_rank] != want:
+            p.append(f"failed steps per rank {[r['failed'] for r in by_rank]}, expected {want}")
+    if gradients and cell.fault != "step_raises" and \
+            len({r["digest_end"] for r in by_rank}) != 1:
+        p.append("replicas differ at the end of training")
+    if cell.fault != "noclose" and len({r.get("digest_avg") for r in by_rank}) != 1:
+        p.append("replicas differ after average_parameters()")
+
+
+def run_cell(cell: Cell) -> Cell:
+    cell.status, cell.seconds, cell.output = run_mpi(
+        cell.ranks, [PROGRAM, cell.algorithm, cell.fault, "--step", str(FAULT_STEP)],
+        timeout=OUTER_TIMEOUT_S, COMMLIB_TIMEOUT=WATCHDOG_S, OMP_NUM_THREADS="1")
+    judge(cell, cell.output, time.time())
+    return cell
+
+
+def table(cells: list[Cell]) -> str:
+    """Markdown: one row per algorithm, one column per fault and world size."""
+    faults = [f for f in FAULTS if any(c.fault == f for c in cells)]
+    sizes = sorted({c.ranks for c in cells})
+    cols = [(f, n) for f in faults for n in sizes]
+    by_key = {(c.algorithm, c.fault, c.ranks): c for c in cells}
+    lines = ["| algorithm | " + " | ".join(f"{f} x{n}" for f, n in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for algorithm in sorted({c.algorithm for c in cells}):
+        row = []
+        for key in cols:
+            c = by_key.get((algorithm, *key))
+            row.append("" if c is None else f"{c.outcome} {c.seconds:.0f}s")
+        lines.append(f"| {algorithm} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _warm_numba_cache() -> None:
+    """Compile the compression kernels once, before jobs compile them all at once."""
+    code = ("import numpy as np, kernels\n"
+            "for n in (1000, 70000):\n"
+            "    x = np.linspace(-1, 1, n, dtype=np.float32)\n"
+            "    kernels.decompress(kernels.quantize_minmax_uint8(x, 256))\n"
+            "    kernels.decompress(kernels.compress_sign(x, np.zeros_like(x), 256))\n")
+    subprocess.run([sys.executable, "-c", code], env=clean_env(), check=True, timeout=600,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+CELLS = [(a, f, n) for a in ALGORITHMS for f in FAULTS for n in SIZES]
+
+
+@pytest.fixture(scope="module")
+def matrix(request) -> dict:
+    """Run the cells of the selected tests concurrently; print and keep the table."""
+    selected = [item.callspec.params["cell"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    cells = [Cell(*key) for key in dict.fromkeys(selected)]
+    _warm_numba_cache()
+    start = time.monotonic()
+    jobs = int(os.environ.get("COMMLIB_FAULT_MATRIX_JOBS", "4"))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = list(pool.map(run_cell, cells))
+    elapsed = time.monotonic() - start
+    text = (f"\nfault matrix: {len(done)} jobs, {jobs} at a time, {elapsed:.0f} s\n"
+            + table(done) + "\n")
+    bad = [c for c in done if c.problems]
+    text += "".join(f"FAIL {c.algorithm} {c.fault} x{c.ranks}: {'; '.join(c.problems)}\n"
+                    for c in bad)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(text)
+    else:
+        print(text)
+    if os.environ.get("COMMLIB_FAULT_MATRIX_TABLE"):
+        with open(os.environ["COMMLIB_FAULT_MATRIX_TABLE"], "w") as f:
+            f.write(text)
+    return {(c.algorithm, c.fault, c.ranks): c for c in done}
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[f"{a}-{f}-x{n}" for a, f, n in CELLS])
+def test_cell(cell, matrix):
+    c = matrix[cell]
+    assert not c.problems, (f"{c.algorithm} {c.fault} x{c.ranks}: {'; '.join(c.problems)}\n"
+                            f"--- output (last 3000 characters) ---\n{c.output[-3000:]}")
