@@ -38,6 +38,9 @@ from .options import options
 EXIT_GRACE_S = 10.0
 #: Exit status of a process that could not stop its communication at exit.
 STUCK_EXIT_CODE = 71
+#: Each object gets at least this long, even once the common deadline has passed (an idle
+#: thread stops in microseconds; this keeps one stuck object from hiding the others).
+MIN_STOP_S = 0.5
 
 _lock = threading.Lock()
 _registered: list[weakref.ref] = []
@@ -81,7 +84,7 @@ def stop_all(grace_s: float | None = None) -> list[Any]:
     stuck = []
     for obj in live():
         try:
-            if not obj.stop_at_exit(deadline):
+            if not obj.stop_at_exit(max(deadline, time.monotonic() + MIN_STOP_S)):
                 stuck.append(obj)
         except BaseException as exc:  # noqa: BLE001 - nothing may escape at exit
             _note(f"stopping {obj!r} at exit failed: {type(exc).__name__}: {exc}")

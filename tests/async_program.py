@@ -6,8 +6,10 @@ Usage: python async_program.py MODE [--steps N]
 ``sys_exit``   train, then ``sys.exit(0)`` without close()
 ``exception``  train, then an uncaught exception (run with COMMLIB_ABORT_ON_EXCEPTION=0:
                the process ends with status 1 through the normal exit path)
-``stuck``      rank 1's averaging thread fails mid-training, so the others' threads wait
-               forever in their next round; the script ends without close()
+``stuck``      after training, rank 1's averaging thread gets stuck in its snapshot (a peer
+               alive but stuck), so the others' averaging threads wait for it in their
+               next round; every script ends without close()
+``thread_fails``  rank 1's snapshot raises at step 20 (its averaging thread fails)
 ``step_raises``  ``optimizer.step`` raises on the last rank at step 10 (a closure that
                raises); the program catches it and trains on
 ``average``    ``average_parameters()`` at several points while rounds are in flight; every
@@ -15,13 +17,16 @@ Usage: python async_program.py MODE [--steps N]
                after the next forward; ``--control`` averages without the algorithm's
                cooperation (the replica check must then report a difference)
 
-Prints ``RESULT {json}`` on every rank that gets to the end.
+Prints ``RESULT {json}`` on every rank that gets to the end. The wrapper is kept alive
+until the interpreter exits (as in a script that builds it at module level), so a script
+that ends without close() leaves its threads to commlib's exit handler.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import threading
 import time
 
 import numpy as np
@@ -29,6 +34,9 @@ import torch
 import torch.nn.functional as F
 
 import commlib
+
+
+KEEP = []  # alive until the interpreter exits
 
 
 def make_ddp(interval_ms: float):
@@ -54,10 +62,14 @@ def identical(ddp) -> bool:
     return bool((rows == rows[0]).all())
 
 
-def wait_for_a_round(ddp, timeout: float = 30.0) -> None:
+def wait_for_a_round(ddp, timeout: float = 2.0) -> None:
+    """Best effort: let a round complete (so corrections are queued), then meet the other
+    ranks (average_parameters() holds the averaging lock: no rank may still wait for a
+    round while another is inside it)."""
     start, end = ddp.algorithm.rounds, time.monotonic() + timeout
     while ddp.algorithm.rounds == start and time.monotonic() < end:
         time.sleep(0.002)
+    commlib.barrier()
 
 
 def main() -> None:
@@ -69,14 +81,10 @@ def main() -> None:
     torch.set_num_threads(1)
     commlib.init()
     rank, n = commlib.get_rank(), commlib.get_world_size()
-    ddp = make_ddp(5 if args.mode in ("end", "sys_exit", "exception", "stuck") else 1)
+    ddp = make_ddp(1 if args.mode in ("average", "step_raises") else 5)
+    KEEP.append(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     result: dict = {"rank": rank}
-
-    if args.mode == "stuck" and rank == 1:
-        def broken():
-            raise RuntimeError("rank 1: snapshot failed on purpose")
-        ddp.algorithm._averager._snapshot = broken
 
     if args.mode == "average":
         checks = []
@@ -107,15 +115,32 @@ def main() -> None:
                 rounds_at_fault = ddp.algorithm.rounds
                 continue
             step(ddp, opt, rank, i)
-            if i == 10:
-                rounds_at_fault = ddp.algorithm.rounds
-        wait_for_a_round(ddp)
+        time.sleep(0.5)  # rounds go on while every rank waits here
+        commlib.barrier()
         result.update(rounds_at_fault=rounds_at_fault, rounds=ddp.algorithm.rounds)
         ddp.close()
+    elif args.mode == "thread_fails":
+        for i in range(args.steps):
+            if i == 20 and rank == 1:
+                def broken():
+                    raise RuntimeError("rank 1: snapshot failed on purpose")
+                ddp.algorithm._averager._snapshot = broken
+            step(ddp, opt, rank, i)
+            time.sleep(0.005)
     else:
         for i in range(args.steps):
             step(ddp, opt, rank, i)
         result.update(rounds=ddp.algorithm.rounds)
+        if args.mode == "stuck":
+            if rank == 1:
+                inside = threading.Event()
+
+                def stuck():
+                    inside.set()
+                    time.sleep(600)
+                ddp.algorithm._averager._snapshot = stuck
+                inside.wait(30)
+            commlib.barrier()  # nobody stops averaging before rank 1's thread is stuck
     print(f"RESULT {json.dumps(result)}", flush=True)
     if args.mode == "sys_exit":
         sys.exit(0)

@@ -50,9 +50,6 @@ class AsyncModelAverage(Algorithm):
         self._averager: BackgroundAverager | None = None
         self._weights: list[Bucket] = []
         self._queued: torch.Tensor | None = None
-        # Bumped by average_parameters(): corrections of rounds snapshotted before are dropped.
-        self._generation = 0
-        self._snapshot_generation = 0
 
     # -- warm-up: synchronous gradient averaging ---------------------------------------
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
@@ -82,14 +79,12 @@ class AsyncModelAverage(Algorithm):
         flat = torch.cat([pack(b) for b in self._weights])
         if self._queued is None:
             self._queued = torch.zeros_like(flat)
-        self._snapshot_generation = self._generation
         return flat.add_(self._queued)
 
     def _apply(self, delta: torch.Tensor) -> None:
-        """Background thread, under the lock: queue the correction for the next forward,
-        unless average_parameters() ran since the round's snapshot."""
-        if self._snapshot_generation == self._generation:
-            self._queued.add_(delta)
+        """Background thread, under the lock: queue the correction for the next forward
+        (the averager drops corrections of rounds older than average_parameters())."""
+        self._queued.add_(delta)
 
     def _fold_queued(self) -> None:
         """Main thread, under the lock: add the queued correction to the weights."""
@@ -127,7 +122,7 @@ class AsyncModelAverage(Algorithm):
         self._averager.release()
         with self._averager.lock:
             self._fold_queued()
-            self._generation += 1
+            self._averager.new_epoch()
             yield
 
     @property

@@ -2,13 +2,21 @@
 while the caller goes on training.
 
 Rounds run on a dedicated duplicated communicator, so they never match the caller's
-collectives. Each round first agrees, with a one-integer allreduce, whether every rank
-still wants to go on; a stop asked on any rank therefore ends the engine on every rank
-after the same round, and no rank is left waiting in a collective its peers never make.
+collectives. Each round snapshots the tensors, then agrees, with one allreduce of three
+integers, whether every rank still wants to go on and whether every rank's snapshot
+belongs to the same *epoch*; a stop asked on any rank therefore ends the engine on every
+rank after the same round, and no rank is left waiting in a collective its peers never
+make. The caller starts a new epoch (:meth:`BackgroundAverager.new_epoch`) when it changed
+the tensors on every rank alike (``average_parameters()``): a round whose snapshots span
+two epochs is skipped everywhere, and a round applies its correction only on ranks still
+in the epoch of its snapshot, so no correction from before such a change lands after it.
 A round whose average is not finite (a NaN or Inf in some rank's tensor) is never
 applied: every rank sees the same average, so every rank ends the engine after that round
 with a :class:`~commlib.errors.NonFiniteError` naming the ranks, raised by :meth:`check`
-and :meth:`stop`. The engine registers with :mod:`commlib.shutdown`, so a script that
+and :meth:`stop`. When a callback raises on one rank, that rank says so in the next
+agreement: the engine ends on every rank (the others raise a
+:class:`~commlib.errors.CommError` naming it) instead of leaving them waiting for it. The
+engine registers with :mod:`commlib.shutdown`, so a script that
 ends without :meth:`stop` stops it before MPI is finalized. Needs ``MPI_THREAD_MULTIPLE``.
 """
 from __future__ import annotations
@@ -55,6 +63,7 @@ class BackgroundAverager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._held = False
+        self._epoch = 0
 
     @property
     def running(self) -> bool:
@@ -83,6 +92,16 @@ class BackgroundAverager:
         if self._held:
             self._held = False
             self.lock.release()
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def new_epoch(self) -> None:
+        """Call under ``lock``, on every rank, after changing the tensors on every rank
+        alike: corrections of rounds snapshotted before are not applied (see the module
+        docstring)."""
+        self._epoch += 1
 
     def check(self) -> None:
         """Raise the error that ended the averaging thread, if any (and forget it)."""
@@ -131,22 +150,44 @@ class BackgroundAverager:
                 f"{self.rounds} rounds>")
 
     def _loop(self) -> None:
+        failure: BaseException | None = None  # of this rank's snapshot or apply callback
         try:
-            while self._agree_to_continue():
-                self._round()
-                self._stop.wait(self.interval_s)
+            while True:
+                local, epoch = None, self._epoch
+                if failure is None and not self._stop.is_set():
+                    try:
+                        with self.lock:
+                            local, epoch = self._snapshot(), self._epoch
+                    except Exception as exc:  # noqa: BLE001 - told to the peers, then raised
+                        failure = exc
+                go, same_epoch, failed = self._agree(epoch, failure is not None)
+                if failed is not None:
+                    raise failure or CommError(
+                        f"commlib.BackgroundAverager (rank {self.group.rank}): background "
+                        f"averaging failed on group rank {failed}; it stopped on every rank")
+                if not go:
+                    return
+                if same_epoch:
+                    failure = self._round(local, epoch)
+                if failure is None:
+                    self._stop.wait(self.interval_s)
         except BaseException as exc:  # noqa: BLE001 - reported by check() and stop()
             self._error = exc
 
-    def _agree_to_continue(self) -> bool:
-        flag = np.array([0 if self._stop.is_set() else 1], dtype=np.int32)
-        allreduce(flag, op=ReduceOp.MIN, group=self.group)
-        return bool(flag[0])
+    def _agree(self, epoch: int, failed: bool) -> tuple[bool, bool, int | None]:
+        """Collective: (every rank goes on, every rank's snapshot is of the same epoch, the
+        group rank whose callback failed or None). A failure is told to the peers here, so
+        that it ends the engine on every rank instead of leaving them waiting."""
+        status = -1 - self.group.rank if failed else (0 if self._stop.is_set() else 1)
+        flags = np.array([status, epoch, -epoch], dtype=np.int64)
+        allreduce(flags, op=ReduceOp.MIN, group=self.group)
+        failed_rank = int(-1 - flags[0]) if flags[0] < 0 else None
+        return bool(flags[0] == 1), bool(flags[1] == -flags[2]), failed_rank
 
-    def _round(self) -> None:
-        with self.lock:
-            local = self._snapshot()
-            base = local.clone() if hasattr(local, "clone") else local.copy()
+    def _round(self, local: Any, epoch: int) -> BaseException | None:
+        """Average ``local`` and apply the correction; returns what the apply callback
+        raised (told to the peers at the next agreement)."""
+        base = local.clone() if hasattr(local, "clone") else local.copy()
         allreduce(local, op=ReduceOp.AVG, group=self.group)
         if not all_finite(local):  # the same average everywhere: every rank stops here
             bad = nonfinite_ranks(all_finite(base), self.group)
@@ -156,6 +197,11 @@ class BackgroundAverager:
                 f"{bad or 'none: the sum overflowed'}); it was not applied and background "
                 f"averaging stopped on every rank")
         local -= base
-        with self.lock:
-            self._apply(local)
         self.rounds += 1
+        with self.lock:
+            if self._epoch == epoch:
+                try:
+                    self._apply(local)
+                except Exception as exc:  # noqa: BLE001
+                    return exc
+        return None
