@@ -65,6 +65,7 @@ class Context:
     submit: Callable[..., Any]       # run a job on the communication thread -> Future
     buckets: list[Bucket] = field(default_factory=list)
     step: int = 0                    # iterations completed (backward passes outside no_sync)
+    iteration_pending: bool = False  # the last one's after_iteration has not run yet
     state: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -100,7 +100,6 @@ class DistributedDataParallel(torch.nn.Module):
                           "overlap with backward", RuntimeWarning, stacklevel=3)
         self._engine = Engine(threaded)
         self._sync = True
-        self._iteration_pending = False
         self._join: Join | None = None
         self._comm_hook: Any = None
         if init_sync:
@@ -224,7 +223,7 @@ class DistributedDataParallel(torch.nn.Module):
     # -- iterations ----------------------------------------------------------------------
     def _end_iteration(self) -> None:
         """Called by the hooks when a backward outside no_sync finished."""
-        self._iteration_pending = True
+        self._ctx.iteration_pending = True
 
     def _start_iteration(self, reset: bool = True) -> None:
         """Run the end-of-iteration work of the previous iteration (every rank at the same
@@ -233,8 +232,8 @@ class DistributedDataParallel(torch.nn.Module):
         if options.check:
             # Every rank must be at the same iteration (schedules key on it).
             self.process_group.comm.verify("iteration", {"step": ctx.step})
-        if self._iteration_pending:
-            self._iteration_pending = False
+        if ctx.iteration_pending:
+            ctx.iteration_pending = False
             algo.after_iteration(ctx)
         if reset and algo.need_reset(ctx):
             algo.reset(ctx)
