@@ -307,3 +307,17 @@ def test_comm_hook_rules_follow_torch():
             commlib.DistributedDataParallel.register_comm_hook(ddp, None, 3)
     finally:
         ddp.close()
+
+
+@pytest.mark.mpi
+def test_torch_generic_join_context_works_with_the_wrapper(gloo):
+    from torch.distributed.algorithms.join import Join as TorchJoin
+    n_batches = 2 + 2 * commlib.get_rank()
+    theirs = uneven_run(TorchDDP(net()), n_batches, {}, lambda m, **kw: m.join(**kw))
+    ddp = commlib.DistributedDataParallel(net(), bucket_cap_mb=0.0005)
+    try:
+        ours = uneven_run(ddp, n_batches, {}, lambda m, **kw: TorchJoin([m]))
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, **TOL)
+    finally:
+        ddp.close()
