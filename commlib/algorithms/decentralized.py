@@ -72,10 +72,14 @@ class Decentralized(Algorithm):
         else:
             bad = [ctx.rank] if not own else [shift_one_peer(ctx.rank, ctx.world_size, round_)]
         raise NonFiniteError(f"decentralized (rank {ctx.rank}): the weights of rank(s) {bad} "
-                             f"are not finite at optimizer step {ctx.step} (a step taken on "
+                             f"are not finite at iteration {ctx.step} (a step taken on "
                              f"non-finite gradients?); the average was not applied")
 
     def before_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
+        self._finish(ctx)
+
+    def after_iteration(self, ctx: Context) -> None:
+        # A rank whose optimizer skipped the step (AMP overflow) still takes the average.
         self._finish(ctx)
 
     def _finish(self, ctx: Context) -> None:

@@ -58,7 +58,7 @@ class LowPrecisionDecentralized(Algorithm):
         self._replicas = [{k: pack(b).clone() for k in ("pub", "left", "right")}
                           for b in ctx.buckets]
 
-    def after_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
+    def after_iteration(self, ctx: Context) -> None:
         if not self._replicas:
             self._init_replicas(ctx)
         if ctx.step % self.communication_interval == 0 and ctx.world_size > 1:
@@ -81,7 +81,7 @@ class LowPrecisionDecentralized(Algorithm):
             except NonFiniteError as exc:
                 raise NonFiniteError(
                     f"low_precision_decentralized (rank {ctx.rank}): the weights of rank(s) "
-                    f"{exc.ranks} are not finite after optimizer step {ctx.step} (a step "
+                    f"{exc.ranks} are not finite after iteration {ctx.step} (a step "
                     f"taken on non-finite gradients?); no replica was updated") from exc
             rep["pub"] += mine
             rep["left"] += from_left
