@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from ..primitives import CompressionState, allreduce, compressed_allreduce
+from ..primitives.compressed import release_workspaces
 from ..reduce_ops import ReduceOp
 from . import state
 from .base import Algorithm, Context
@@ -193,6 +194,9 @@ class QAdam(Algorithm):
         with torch.no_grad():
             u.mul_(self._denom[bucket.index])
         return None
+
+    def teardown(self, ctx: Context) -> None:
+        ctx.run(release_workspaces)  # cached on the thread that ran the exchanges
 
     def _update_momentum(self, bucket: Bucket, m: torch.Tensor, out: torch.Tensor) -> None:
         """``out = beta1 m + (1 - beta1) (g + weight_decay p)`` over the bucket's flat
