@@ -131,11 +131,12 @@ class AsyncModelAverage(Algorithm):
             state.check_tensor(where, "the queued correction", queued,
                                (sum(p.numel() for p in params),), params[0].dtype)
             queued = state.restore(queued, params[0].device)
-        if self._averager is None:
-            self._queued = queued
-            return
-        with self._averager.lock:
-            self._queued = queued
+        running = self._averager is not None and self._averager.running
+        if running:  # no round snapshotted before the load may apply after it
+            self._averager.stop()
+        self._queued = queued
+        if running:
+            self._averager.start()
 
     def teardown(self, ctx: Context) -> None:
         if self._averager is not None:
