@@ -12,7 +12,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
 from test_kfac_dist import LR, build, kfac_modules, shard  # noqa: E402
-from test_kfac_math import ReferenceKFAC, grad_matrix, set_grad_matrix  # noqa: E402
+from test_kfac_math import (ReferenceKFAC, grad_matrix, reference_factors,  # noqa: E402
+                            set_grad_matrix)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
@@ -164,10 +165,8 @@ def scheduled_run(algorithm, lr):
             ref_opt.zero_grad()
             x, y = torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards])
             if owners is None:
-                from test_kfac_math import reference_factors
                 factors = reference_factors(ref, x, y, F.cross_entropy)
             else:
-                from test_kfac_math import reference_factors
                 per = [reference_factors(ref, *s, F.cross_entropy) for s in shards]
                 factors = {name: per[r][name] for name, r in owners.items()}
             ref_kfac.update(step, factors)
