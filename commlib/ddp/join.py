@@ -39,9 +39,7 @@ class Join:
         return self
 
     def _count(self, mine: list[int]) -> np.ndarray:
-        counts = np.array(mine, dtype=np.int64)
-        self.ddp._engine.submit(allreduce, counts, ReduceOp.SUM, self.ddp.process_group).result()
-        return counts
+        return _count(self.ddp, mine)
 
     def _early_termination(self) -> RuntimeError:
         return RuntimeError(f"commlib.DistributedDataParallel (rank "
@@ -87,3 +85,48 @@ class Join:
         last = int(key[0] % size)
         ddp._broadcast([p for _, p in ddp._ctx.named_parameters] + ddp._buffers_to_sync(),
                        src=last)
+
+
+class TorchJoinHook:
+    """What torch's generic ``torch.distributed.algorithms.join.Join`` calls on a rank that
+    ran out of data (``ddp.join_hook()``): ``main_hook`` shadows one iteration of the
+    others, ``post_hook`` syncs the final model from the last rank to join. Used when the
+    wrapper sits in torch's ``Join([ddp, other_joinables...])`` (which needs
+    ``torch.distributed`` initialized, e.g. with the ``commlib`` backend)."""
+
+    def __init__(self, ddp: Any, divide_by_initial_world_size: bool = True) -> None:
+        self.ddp = ddp
+        self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        active, syncing = _count(ddp, [0, 0])
+        ddp._hooks.grad_scale = (1.0 if self.divide_by_initial_world_size or not active
+                                 else ddp.process_group.size / float(active))
+        ddp._shadow_iteration(sync=syncing > 0)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        ddp._hooks.grad_scale = 1.0
+        key = np.array([ddp.process_group.rank if is_last_joiner else -1], dtype=np.int64)
+        ddp._engine.submit(allreduce, key, ReduceOp.MAX, ddp.process_group).result()
+        ddp._broadcast([p for _, p in ddp._ctx.named_parameters] + ddp._buffers_to_sync(),
+                       src=int(key[0]))
+
+
+def notify_torch_join(ddp: Any) -> None:
+    """At a training forward inside torch's ``Join``: torch's own notification (over the
+    torch process group), then the active/syncing counts the shadowing ranks read."""
+    from torch.distributed.algorithms.join import Join as TorchJoin
+    TorchJoin.notify_join_context(ddp)
+    if ddp._join_config.enable:
+        active, _ = _count(ddp, [1, int(ddp._sync)])
+        hook = ddp._torch_join_hook
+        if hook is not None and not hook.divide_by_initial_world_size:
+            ddp._hooks.grad_scale = ddp.process_group.size / float(active)
+
+
+def _count(ddp: Any, mine: list[int]) -> np.ndarray:
+    counts = np.array(mine, dtype=np.int64)
+    ddp._engine.submit(allreduce, counts, ReduceOp.SUM, ddp.process_group).result()
+    return counts

@@ -6,6 +6,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.distributed.algorithms.join import Joinable
 
 from .. import runtime
 from ..algorithms.base import GRADIENTS, Algorithm, Context
@@ -18,13 +19,13 @@ from .consistency import check_same_model
 from .engine import Engine
 from .graph import reached_parameters
 from .hooks import FIND_UNUSED, STATIC, STRICT, GradientHooks
-from .join import Join
+from .join import Join, TorchJoinHook, notify_torch_join
 
 # Construction broadcasts and average_parameters() move at most this much at once.
 COALESCE_BYTES = 64 << 20
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(torch.nn.Module, Joinable):
     """Data-parallel training over MPI with a pluggable communication algorithm.
 
     Behaves like ``torch.nn.parallel.DistributedDataParallel`` and takes its arguments in
@@ -61,6 +62,8 @@ class DistributedDataParallel(torch.nn.Module):
                  algorithm: str | Algorithm = "gradient_allreduce",
                  **algorithm_kwargs: Any) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        self._torch_join_hook: TorchJoinHook | None = None
         arguments.check_module(module)
         self.device_ids, self.output_device = arguments.devices(module, device_ids,
                                                                 output_device)
@@ -124,6 +127,8 @@ class DistributedDataParallel(torch.nn.Module):
         training = torch.is_grad_enabled()
         if training and self._join is not None:
             self._join.notify(self)
+        elif training and self._join_config.enable:
+            notify_torch_join(self)
         if training:
             self._start_iteration()
         if self.forward_sync_buffers:
@@ -159,6 +164,27 @@ class DistributedDataParallel(torch.nn.Module):
         ``throw_on_early_termination=True`` makes every rank raise ``RuntimeError`` as soon
         as one runs out. Collective over the group."""
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> TorchJoinHook:
+        """For torch's generic ``Join([ddp, ...])`` context manager (``join()`` needs no
+        torch.distributed): shadows the others' iterations, then syncs the final model.
+        ``divide_by_initial_world_size`` (default ``True``) as in :meth:`join`."""
+        self._torch_join_hook = TorchJoinHook(
+            self, kwargs.get("divide_by_initial_world_size", True))
+        return self._torch_join_hook
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The torch process group torch's ``Join`` counts ranks on: the default one."""
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            raise RuntimeError("torch's Join needs torch.distributed initialized (e.g. "
+                               "init_process_group(backend='commlib')); ddp.join() does not")
+        return dist.group.WORLD
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch's communication hook: ``hook(state, bucket) -> torch.futures.Future``
