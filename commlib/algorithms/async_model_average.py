@@ -1,6 +1,6 @@
 """``async_model_average``: weights averaged in the background while training continues.
 
-For ``warmup_steps`` optimizer steps the algorithm behaves as ``gradient_allreduce``; then
+For ``warmup_steps`` iterations the algorithm behaves as ``gradient_allreduce``; then
 gradients are no longer exchanged and a :class:`~commlib.primitives.BackgroundAverager`
 averages the weights every ``sync_interval_ms`` on its own communicator. A round snapshots
 the weights, averages the snapshot over all ranks and queues ``average - snapshot``; the

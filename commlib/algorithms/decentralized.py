@@ -28,7 +28,7 @@ class Decentralized(Algorithm):
     """``peer_selection_mode``: ``"all"`` (average with every rank) or ``"shift_one"`` (one
     peer per step, pairs disjoint, the peer changing every step; see
     :func:`commlib.primitives.shift_one_peer`). ``communication_interval``: communicate
-    every that many optimizer steps (local steps in between)."""
+    every that many iterations (local steps in between)."""
 
     exchanges = WEIGHTS
 
