@@ -97,9 +97,9 @@ def main() -> None:
                 else:
                     ddp.average_parameters()
                 right_after = identical(ddp)
-                with torch.no_grad():
-                    ddp(torch.zeros(1, 64))  # applies queued corrections
-                checks.append([right_after, identical(ddp)])
+                opt.zero_grad()
+                ddp(torch.zeros(1, 64)).sum().backward()  # a training forward applies
+                checks.append([right_after, identical(ddp)])  # queued corrections
         result.update(checks=checks, rounds=ddp.algorithm.rounds)
         ddp.close()
     elif args.mode == "step_raises":

@@ -23,8 +23,8 @@ Lines printed for the test: ``FAULT {json}`` on R right before a fault that ends
 process, and ``RESULT {json}`` on every rank that finishes: the steps it skipped, whether
 its parameters are finite, whether they changed after step K (training went on), digests
 of its parameters at the end of training and, except for ``noclose``, after
-``average_parameters()`` followed by one more forward (which applies anything an
-algorithm left pending).
+``average_parameters()`` followed by one more training forward and backward without an
+optimizer step (which applies anything an algorithm left pending before a forward).
 """
 from __future__ import annotations
 
@@ -155,8 +155,9 @@ def main() -> None:
                   loss_first=losses[0], loss_last=losses[-1], digest_end=digest(ddp.module))
     if args.fault != "noclose":
         ddp.average_parameters()
-        with torch.no_grad():
-            ddp(batch(rank, args.steps)[0])  # applies whatever an algorithm left pending
+        x, y = batch(rank, args.steps)
+        opt.zero_grad()  # a training forward (and its backward, without a step) applies
+        F.cross_entropy(ddp(x), y).backward()  # what an algorithm left pending
         result["digest_avg"] = digest(ddp.module)
         ddp.close()
     announce("RESULT", **result)

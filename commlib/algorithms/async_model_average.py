@@ -1,6 +1,6 @@
 """``async_model_average``: weights averaged in the background while training continues.
 
-For ``warmup_steps`` optimizer steps the algorithm behaves as ``gradient_allreduce``; then
+For ``warmup_steps`` iterations the algorithm behaves as ``gradient_allreduce``; then
 gradients are no longer exchanged and a :class:`~commlib.primitives.BackgroundAverager`
 averages the weights every ``sync_interval_ms`` on its own communicator. A round snapshots
 the weights, averages the snapshot over all ranks and queues ``average - snapshot``; the
@@ -15,8 +15,9 @@ averaging on every rank after the current round (no thread and no request left);
 the wrapper stops it the same way at exit, before MPI is finalized.
 
 ``DistributedDataParallel.average_parameters()`` folds the queued correction into the
-weights, averages them while no round can snapshot or apply, and drops the corrections of
-the rounds that were in flight: afterwards every rank holds bitwise the same weights.
+weights, averages them and drops the corrections of every round snapshotted before the
+average was complete (see the averager's epochs): afterwards every rank holds bitwise the
+same weights, also after the next forward.
 
 Non-finite values: a round whose average is not finite is never applied; averaging stops
 on every rank and the next forward raises :class:`~commlib.errors.NonFiniteError` naming
@@ -26,13 +27,14 @@ gradient there) leaves that rank's weights finite and needs nothing from the oth
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..primitives import allreduce
 from ..primitives.background import BackgroundAverager
 from ..reduce_ops import ReduceOp
+from . import state
 from .base import GRADIENTS, WEIGHTS, Algorithm, Context
 from .buckets import Bucket, build, pack
 from .registry import register
@@ -40,6 +42,15 @@ from .registry import register
 
 @register("async_model_average")
 class AsyncModelAverage(Algorithm):
+    """``sync_interval_ms``: pause between background rounds. ``warmup_steps``: iterations
+    of synchronous gradient averaging first (0: background averaging from the start).
+    State (:meth:`state_dict`): the correction queued for the next forward (per rank);
+    the phase follows from the iteration count. Rounds in flight when the state is taken
+    are not part of it, so a resumed run restores exactly what was saved but, as any run
+    of this algorithm, depends on the timing of the background rounds."""
+
+    per_rank_state = True
+
     def __init__(self, sync_interval_ms: float = 50.0, warmup_steps: int = 0) -> None:
         if sync_interval_ms < 0 or warmup_steps < 0:
             raise ValueError(f"async_model_average: sync_interval_ms and warmup_steps must be "
@@ -116,14 +127,26 @@ class AsyncModelAverage(Algorithm):
 
     @contextlib.contextmanager
     def parameters_averaging(self, ctx: Context) -> Iterator[None]:
-        if self._averager is None:
+        """Fold the queued correction into the weights before they are averaged; drop
+        every correction of a round snapshotted before the average is complete. The lock
+        is held only around that bookkeeping, not across the collective, so background
+        rounds (and a stop agreement at exit) go on meanwhile; their snapshots may see
+        half-averaged weights, which is why their corrections are dropped."""
+        averager = self._averager
+        if averager is None:
             yield
             return
-        self._averager.release()
-        with self._averager.lock:
+        averager.release()  # left by an optimizer step that raised
+        with averager.lock:
             self._fold_queued()
-            self._averager.new_epoch()
+            averager.new_epoch()
+        try:
             yield
+        finally:
+            with averager.lock:
+                averager.new_epoch()
+                if self._queued is not None:
+                    self._queued.zero_()  # corrections applied during the average
 
     @property
     def rounds(self) -> int:
@@ -139,6 +162,28 @@ class AsyncModelAverage(Algorithm):
     def resume(self) -> None:
         """Start background averaging again (call on every rank)."""
         if self._averager is not None:
+            self._averager.start()
+
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        if self._averager is None:
+            return {"queued": self._queued}
+        self._averager.release()  # left by an optimizer step that raised
+        with self._averager.lock:  # a round may be applying its correction
+            return {"queued": None if self._queued is None else self._queued.clone()}
+
+    def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
+        state.check_keys(where, saved, ("queued",))
+        queued = saved["queued"]
+        params = [p for _, p in ctx.named_parameters if p.requires_grad]
+        if queued is not None:
+            state.check_tensor(where, "the queued correction", queued,
+                               (sum(p.numel() for p in params),), params[0].dtype)
+            queued = state.restore(queued, params[0].device)
+        running = self._averager is not None and self._averager.running
+        if running:  # no round snapshotted before the load may apply after it
+            self._averager.stop()
+        self._queued = queued
+        if running:
             self._averager.start()
 
     def teardown(self, ctx: Context) -> None:

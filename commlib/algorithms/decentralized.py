@@ -17,13 +17,14 @@ NaN or Inf (some rank took a step on non-finite gradients), every rank that rece
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from ..errors import NonFiniteError
 from ..primitives import PEER_MODES, peer_average, shift_one_peer
 from ..primitives.finite import all_finite, nonfinite_ranks
+from . import state
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import pack, unpack
 from .registry import register
@@ -34,7 +35,7 @@ class Decentralized(Algorithm):
     """``peer_selection_mode``: ``"all"`` (average with every rank) or ``"shift_one"`` (one
     peer per step, pairs disjoint, the peer changing every step; see
     :func:`commlib.primitives.shift_one_peer`). ``communication_interval``: communicate
-    every that many optimizer steps (local steps in between)."""
+    every that many iterations (local steps in between)."""
 
     exchanges = WEIGHTS
 
@@ -94,3 +95,17 @@ class Decentralized(Algorithm):
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        """The iteration whose weights were last snapshotted (a second forward of the same
+        iteration, e.g. under ``no_sync``, does not exchange again). The weights are the
+        model's own."""
+        if self._pending is not None:
+            raise RuntimeError(f"decentralized.state_dict (rank {ctx.rank}): an exchange is in "
+                               f"flight; take the state between iterations (after "
+                               f"optimizer.step())")
+        return {"snapshot_step": self._snapshot_step}
+
+    def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
+        state.check_keys(where, saved, ("snapshot_step",))
+        self._snapshot_step = int(saved["snapshot_step"])
