@@ -62,6 +62,19 @@ def identical(ddp) -> bool:
     return bool((rows == rows[0]).all())
 
 
+def average_without_the_algorithm(ddp) -> None:
+    """The parameters' average over the world, as average_parameters() did before the
+    algorithm took part (queued corrections then land after it)."""
+    params = list(ddp.module.parameters())
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        commlib.allreduce(flat, op=commlib.ReduceOp.AVG)
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
 def wait_for_a_round(ddp, timeout: float = 2.0) -> None:
     """Best effort: let a round complete (so corrections are queued), then meet the other
     ranks (average_parameters() holds the averaging lock: no rank may still wait for a
@@ -93,7 +106,7 @@ def main() -> None:
             if i % 10 == 9:
                 wait_for_a_round(ddp)  # corrections queued since the last forward
                 if args.control:
-                    ddp._average_parameters()  # without the algorithm's cooperation
+                    average_without_the_algorithm(ddp)
                 else:
                     ddp.average_parameters()
                 right_after = identical(ddp)
