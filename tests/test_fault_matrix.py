@@ -19,10 +19,10 @@ A cell passes when the job either
 and never: a hang (outer timeout), a crash (a signal other than the injected SIGKILL,
 "Segmentation fault", "terminate called", "corrupted", ...), corrupted results.
 
-The cells run concurrently (``COMMLIB_FAULT_MATRIX_JOBS`` jobs at a time, default 4: a
+The cells run concurrently (``FAULT_MATRIX_JOBS`` jobs at a time, default 4: a
 job's ranks mostly wait) in a module fixture that runs the cells selected (``-k`` works);
 the table (algorithm x fault x ranks: outcome, seconds) is printed in the test output and
-written to ``$COMMLIB_FAULT_MATRIX_TABLE`` when set. Run it alone with
+written to ``$FAULT_MATRIX_TABLE`` when set. Run it alone with
 ``pytest -m fault_matrix tests``; it also runs in the default suite (serial session).
 """
 from __future__ import annotations
@@ -184,7 +184,7 @@ def matrix(request) -> dict:
     cells = [Cell(*key) for key in dict.fromkeys(selected)]
     _warm_numba_cache()
     start = time.monotonic()
-    jobs = int(os.environ.get("COMMLIB_FAULT_MATRIX_JOBS", "4"))
+    jobs = int(os.environ.get("FAULT_MATRIX_JOBS", "4"))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         done = list(pool.map(run_cell, cells))
     elapsed = time.monotonic() - start
@@ -198,8 +198,8 @@ def matrix(request) -> dict:
         reporter.write_line(text)
     else:
         print(text)
-    if os.environ.get("COMMLIB_FAULT_MATRIX_TABLE"):
-        with open(os.environ["COMMLIB_FAULT_MATRIX_TABLE"], "w") as f:
+    if os.environ.get("FAULT_MATRIX_TABLE"):
+        with open(os.environ["FAULT_MATRIX_TABLE"], "w") as f:
             f.write(text)
     return {(c.algorithm, c.fault, c.ranks): c for c in done}
 
