@@ -105,10 +105,9 @@ def qadam_step(sync: Any, args: argparse.Namespace) -> dict:
         def on_bucket_ready(self, ctx: Any, bucket: Any) -> Any:
             if not self.compressing:
                 return super().on_bucket_ready(ctx, bucket)
-            beta1 = self._optimizer.param_groups[0]["betas"][0]
             m = self._momentum[bucket.index]
             with torch.no_grad():
-                m.mul_(beta1).add_(bucket.flat, alpha=1 - beta1)
+                self._update_momentum(bucket, m, m)
                 u = m.div_(self._denom[bucket.index]).clamp_(-self.max_update,
                                                              self.max_update)
             compressed_allreduce(u, op=ReduceOp.AVG, group=ctx.group, method=self.compression,

@@ -11,7 +11,8 @@ API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)
                           nonfinite="raise") -> Array[uint8]
     dequantize_minmax_uint8(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
     compress_sign(x: Array, residual: Array, chunk_size: int = 2048, *, out=None, impl=None,
-                  nonfinite="raise") -> Array[uint8]  # updates residual in place
+                  nonfinite="raise", residual_out=None) -> Array[uint8]
+                                          # updates residual in place, or into residual_out
     decompress_sign(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
     decompress(buf: Array, out=None, *, impl=None) -> Array[f32]   # either kind
     compressed_nbytes(numel: int, chunk_size: int = 2048, kind: str = "minmax_uint8") -> int

@@ -317,10 +317,13 @@ def _sign_bad_chunks(status: np.ndarray, lay: Layout, nonfinite: str) -> np.ndar
 
 
 def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout,
-                       out: Array | None, nonfinite: str) -> Array:
+                       out: Array | None, nonfinite: str, residual_out: Array | None) -> Array:
     xf = A.host_float32(x, kind)
     r = A.host_inplace(residual, kind)
     r_host = A.host_float32(residual, kind) if r is None else r
+    target = residual if residual_out is None else residual_out
+    ro = r_host if residual_out is None else A.host_inplace(residual_out, kind)
+    ro_host = ro if ro is not None else np.empty(lay.numel, np.float32)
     buf, finish = _host_output(x, kind, lay.nbytes, "uint8", out)
     _write_header(buf, lay)
     scales, bits = sections(buf, lay)
@@ -332,21 +335,26 @@ def _compress_sign_cpu(x: Array, kind: str, residual: Array, lay: Layout,
         bad = _sign_bad_chunks(status, lay, nonfinite)
         saved = _residual_slices(r_host, bad, lay) if bad.size else []
         if lay.nchunks:
-            _sign_cpu.pack_signs(xf, r_host, lay.chunk_size, scales, bits, lay.bits_stride)
+            _sign_cpu.pack_signs(xf, r_host, ro_host, lay.chunk_size, scales, bits,
+                                 lay.bits_stride)
         if bad.size:
-            _restore_residual(r_host, saved)
+            _restore_residual(ro_host, saved)
             _mark_nan_chunks(scales, bits, bad, lay)
-    if r is None:
-        A.copy_from_host(residual, kind, r_host)
+    if ro is None or (residual_out is None and r is None):
+        A.copy_from_host(target, kind, ro_host)
     return finish()
 
 
 def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout,
-                        out: Array | None, nonfinite: str) -> Array:
+                        out: Array | None, nonfinite: str, residual_out: Array | None) -> Array:
     mod = _cuda_module("sign")
     with D.on_device(x, kind):
         d_x = D.to_device(x, kind, True)
         d_r, write_back = D.inplace(residual, kind)
+        if residual_out is not None:
+            d_ro, write_back = D.inplace(residual_out, kind)
+        else:
+            d_ro = d_r
         dev, finish = D.output(x, kind, lay.nbytes, "uint8", out)
         D.write_header(dev, lay)
         scales, bits = sections(dev, lay)
@@ -354,9 +362,9 @@ def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout,
         mod.chunk_scales(d_x, d_r, lay.chunk_size, scales, d_status)
         bad = _sign_bad_chunks(d_status.copy_to_host(), lay, nonfinite)
         saved = _residual_slices(d_r, bad, lay) if bad.size else []
-        mod.pack_signs(d_x, d_r, lay.chunk_size, scales, bits, lay.bits_stride)
+        mod.pack_signs(d_x, d_r, d_ro, lay.chunk_size, scales, bits, lay.bits_stride)
         if bad.size:
-            _restore_residual(d_r, saved)
+            _restore_residual(d_ro, saved)
             _mark_nan_chunks(scales, bits, bad, lay)
         write_back()
         return finish()
@@ -364,7 +372,7 @@ def _compress_sign_cuda(x: Array, kind: str, residual: Array, lay: Layout,
 
 def compress_sign(x: Array, residual: Array, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                   out: Array | None = None, impl: str | None = None,
-                  nonfinite: str = "raise") -> Array:
+                  nonfinite: str = "raise", residual_out: Array | None = None) -> Array:
     """1-bit sign compression of ``v = x + residual`` with error feedback.
 
     ``x``: any shape, float16/float32/float64 (or torch bfloat16); read as flat float32.
@@ -376,14 +384,20 @@ def compress_sign(x: Array, residual: Array, chunk_size: int = DEFAULT_CHUNK_SIZ
     Raises ``ValueError`` (residual untouched) if a chunk's mean |v| is not finite. With
     ``nonfinite="nan"`` such chunks are encoded as NaN chunks instead (scale NaN, bits 0;
     they decompress to NaN) and keep their residual; the others are compressed as usual.
+    ``residual_out`` (same requirements as ``residual``, not overlapping it): receives the
+    updated residual instead, ``residual`` is then only read (the caller can keep or drop
+    the update without a copy).
     """
     _check_mode(nonfinite)
     kind, lay = _start(x, SIGN1, chunk_size, out)
     A.same_place(x, residual, "residual")
     A.check_writable(residual, kind, "residual", "float32", lay.numel)
+    if residual_out is not None:
+        A.same_place(x, residual_out, "residual_out")
+        A.check_writable(residual_out, kind, "residual_out", "float32", lay.numel)
     if _impl(impl, A.is_gpu(x, kind), lay.numel) == "cpu":
-        return _compress_sign_cpu(x, kind, residual, lay, out, nonfinite)
-    return _compress_sign_cuda(x, kind, residual, lay, out, nonfinite)
+        return _compress_sign_cpu(x, kind, residual, lay, out, nonfinite, residual_out)
+    return _compress_sign_cuda(x, kind, residual, lay, out, nonfinite, residual_out)
 
 
 def decompress_sign(buf: Array, out: Array | None = None, *,

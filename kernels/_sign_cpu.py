@@ -2,7 +2,8 @@
 
 Compression runs in two passes so that a non-finite chunk is detected before any
 residual is touched: ``chunk_scales`` only reads, the caller checks ``status``, and only
-then ``pack_signs`` writes the bits and updates the residual in place.
+then ``pack_signs`` writes the bits and the updated residual (in place, or into a second
+buffer so that the caller can still drop the update).
 The slice-view and scratch-per-task choices are explained in ``_minmax_cpu``.
 """
 from __future__ import annotations
@@ -48,38 +49,40 @@ def chunk_scales(x, residual, chunk_size, scales, status, ntasks):
 
 
 @njit(cache=True, inline="always")
-def _pack_byte(xs, rs, k, count, scale):
-    """Bits of elements ``k .. k + count - 1`` of the chunk; updates their residuals."""
+def _pack_byte(xs, rs, ro, k, count, scale):
+    """Bits of elements ``k .. k + count - 1`` of the chunk; writes their new residuals
+    into ``ro`` (which may be ``rs``: each element is read before it is written)."""
     byte = 0
     for b in range(count):
         v = xs[k + b] + rs[k + b]
         negative = v < F0
         byte |= np.int32(negative) << b
-        rs[k + b] = v - (-scale if negative else scale)
+        ro[k + b] = v - (-scale if negative else scale)
     return byte
 
 
 @njit(cache=True, inline="always")
-def _pack_chunk(xs, rs, bits, scale):
+def _pack_chunk(xs, rs, ro, bits, scale):
     full = xs.size // 8 * 8
     # a constant trip count of 8 lets LLVM unroll and vectorize (2x the variable count)
     for k in range(0, full, 8):
-        bits[k // 8] = _pack_byte(xs, rs, k, 8, scale)
+        bits[k // 8] = _pack_byte(xs, rs, ro, k, 8, scale)
     if full < xs.size:
-        bits[full // 8] = _pack_byte(xs, rs, full, xs.size - full, scale)
+        bits[full // 8] = _pack_byte(xs, rs, ro, full, xs.size - full, scale)
 
 
 @njit(parallel=True, cache=True)
-def pack_signs(x, residual, chunk_size, scales, bits, bits_stride):
+def pack_signs(x, residual, residual_out, chunk_size, scales, bits, bits_stride):
     """Write the sign bits of ``v = x + residual`` into ``bits`` and set
-    ``residual = v - decompressed`` in place (both flat, float32)."""
+    ``residual_out = v - decompressed`` (all flat, float32; ``residual_out`` may be
+    ``residual``: in place)."""
     nchunks = scales.shape[0]
     for c in prange(nchunks):
         start = c * chunk_size
         stop = min(start + chunk_size, x.size)
         off = c * bits_stride
-        _pack_chunk(x[start:stop], residual[start:stop], bits[off:off + bits_stride],
-                    scales[c])
+        _pack_chunk(x[start:stop], residual[start:stop], residual_out[start:stop],
+                    bits[off:off + bits_stride], scales[c])
 
 
 @njit(parallel=True, cache=True)

@@ -41,7 +41,7 @@ def _scales_kernel(x, residual, chunk_size, scales, status):
 
 
 @cuda.jit
-def _pack_kernel(x, residual, chunk_size, scales, bits, bits_stride):
+def _pack_kernel(x, residual, residual_out, chunk_size, scales, bits, bits_stride):
     g = cuda.grid(1)
     c = g // bits_stride
     if c >= scales.shape[0]:
@@ -58,7 +58,7 @@ def _pack_kernel(x, residual, chunk_size, scales, bits, bits_stride):
         negative = v < F0
         if negative:
             byte |= 1 << (i - start)
-        residual[i] = v - (-scale if negative else scale)
+        residual_out[i] = v - (-scale if negative else scale)
     bits[g] = byte
 
 
@@ -83,12 +83,15 @@ def chunk_scales(x, residual, chunk_size: int, scales, status) -> None:
         _scales_kernel[grid, WARPS_PER_BLOCK * LANES](x, residual, chunk_size, scales, status)
 
 
-def pack_signs(x, residual, chunk_size: int, scales, bits, bits_stride: int) -> None:
-    """Device arrays: writes ``bits`` and updates ``residual`` in place."""
+def pack_signs(x, residual, residual_out, chunk_size: int, scales, bits,
+               bits_stride: int) -> None:
+    """Device arrays: writes ``bits`` and the updated residual into ``residual_out``
+    (which may be ``residual``: in place)."""
     nbytes = scales.shape[0] * bits_stride
     if nbytes:
         grid = -(-nbytes // ELEMENT_BLOCK)
-        _pack_kernel[grid, ELEMENT_BLOCK](x, residual, chunk_size, scales, bits, bits_stride)
+        _pack_kernel[grid, ELEMENT_BLOCK](x, residual, residual_out, chunk_size, scales, bits,
+                                          bits_stride)
 
 
 def unpack_signs(scales, bits, chunk_size: int, bits_stride: int, out) -> None:

@@ -113,6 +113,11 @@ def test_nan_chunks_are_byte_identical():
     gpu = kernels.compress_sign(x[:240], r_gpu[:240], 60, impl="cuda", nonfinite="nan")
     assert np.array_equal(cpu, gpu)
     assert np.array_equal(_bits(r_cpu), _bits(r_gpu))
+    r_in, r_out = residual[:240].copy(), np.zeros(240, F32)
+    sep = kernels.compress_sign(x[:240], r_in, 60, impl="cuda", nonfinite="nan",
+                                residual_out=r_out)
+    assert np.array_equal(sep, cpu) and np.array_equal(r_in, residual[:240])
+    assert np.array_equal(_bits(r_out), _bits(r_cpu[:240]))
     for a in (60, 180):  # the NaN chunks kept their residual
         assert np.array_equal(_bits(r_cpu[a:a + 60]), _bits(residual[a:a + 60]))
     assert not np.array_equal(_bits(r_cpu[120:180]), _bits(residual[120:180]))

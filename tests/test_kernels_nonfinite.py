@@ -91,3 +91,18 @@ def test_raise_stays_the_default():
         kernels.quantize_minmax_uint8(_dirty(), CHUNK)
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         kernels.quantize_minmax_uint8(_dirty(), CHUNK, nonfinite="ignore")
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "nan"])
+def test_sign_residual_out_leaves_the_residual_alone(nonfinite):
+    x = np.random.default_rng(3).standard_normal(500).astype(F32)
+    if nonfinite == "nan":
+        x[130] = np.nan
+    r0 = (np.random.default_rng(4).standard_normal(500) * 0.1).astype(F32)
+    in_place, separate = r0.copy(), r0.copy()
+    out = np.full(500, 7.0, F32)
+    a = kernels.compress_sign(x, in_place, CHUNK, nonfinite="nan")
+    b = kernels.compress_sign(x, separate, CHUNK, nonfinite="nan", residual_out=out)
+    assert np.array_equal(a, b)
+    assert np.array_equal(separate, r0)  # only read
+    assert np.array_equal(out, in_place)  # what the in-place call left

@@ -59,9 +59,9 @@ class CompressionState:
     """Error-feedback residuals of one tensor under ``sign1`` (created empty; sized on
     first use; reset with :meth:`reset`).
 
-    Under ``nonfinite="propagate"`` a call computes its residual updates into scratch
-    residuals and ``finite`` tells whether its result was finite (the same on every
-    rank). With ``commit=True`` the updates replace ``worker``/``server`` when it was, and
+    Under ``nonfinite="propagate"`` a call writes its residual updates into second
+    buffers (the kernel reads ``worker``/``server`` and writes those, no copy) and
+    ``finite`` tells whether its result was finite (the same on every rank). With ``commit=True`` the updates replace ``worker``/``server`` when it was, and
     are dropped when it was not; with ``commit=False`` they wait for :meth:`commit` (or
     :meth:`discard`), so that a caller exchanging several tensors per step (one state
     each) can keep all of the step's updates or none."""
@@ -91,20 +91,22 @@ class CompressionState:
         """Drop the updates of the last call made with ``commit=False``."""
         self._staged = False
 
-    def _scratch(self, like: Any, worker_n: int, server_n: int) -> tuple[Any, Any]:
-        """Scratch residuals holding the committed ones (zeros when sized anew)."""
+    def _sized(self, like: Any, worker_n: int, server_n: int, scratch: bool) -> list:
+        """[worker, server, next worker, next server]: the committed residuals (zeros when
+        sized anew) and, with ``scratch``, the buffers the kernel writes the updated ones
+        into (no copy: the kernel reads the committed ones and writes these)."""
         self._staged = False
         if self.worker is None or self.worker.shape[0] != worker_n:
             self.worker = _zeros(like, worker_n)
         if self.server is None or self.server.shape[0] != server_n:
             self.server = _zeros(like, server_n)
-        scratch = []
-        for k, committed in enumerate((self.worker, self.server)):
-            if self._next[k] is None or self._next[k].shape[0] != committed.shape[0]:
-                self._next[k] = _empty(like, committed.shape[0], "float32")
-            self._next[k][...] = committed
-            scratch.append(self._next[k])
-        return scratch[0], scratch[1]
+        buffers = [self.worker, self.server, None, None]
+        if scratch:
+            for k, committed in enumerate((self.worker, self.server)):
+                if self._next[k] is None or self._next[k].shape[0] != committed.shape[0]:
+                    self._next[k] = _empty(like, committed.shape[0], "float32")
+                buffers[2 + k] = self._next[k]
+        return buffers
 
     def _finished(self, finite: bool, commit: bool) -> None:
         self.finite = finite
@@ -238,15 +240,18 @@ def _exchange(flat: Any, average: bool, comm: Any, method: str, chunk_size: int,
     part = -(-flat.shape[0] // n) if flat.shape[0] else 0
     ws = _workspace(flat, n, part, method, chunk_size)
     mode = "nan" if nonfinite == "propagate" else "raise"
-    worker, server = _residuals(state, flat, n * part, part, nonfinite, method)
+    worker, server, worker_out, server_out = (
+        state._sized(flat, n * part, part, scratch=mode == "nan") if method == "sign1"
+        else [None] * 4)
     _pad_into(ws.padded, flat)
     for j in range(n):
-        residual = None if worker is None else worker[j * part:(j + 1) * part]
-        _compress(ws.padded[j * part:(j + 1) * part], ws.codes[j], method, chunk_size,
-                  residual, mode)
+        cut = slice(j * part, (j + 1) * part)
+        _compress(ws.padded[cut], ws.codes[j], method, chunk_size,
+                  None if worker is None else worker[cut],
+                  None if worker_out is None else worker_out[cut], mode)
     alltoall(ws.codes, group=comm, out=ws.received)
     _reduce_parts(ws, n, part, average)
-    _compress(ws.acc, ws.mine, method, chunk_size, server, mode)
+    _compress(ws.acc, ws.mine, method, chunk_size, server, server_out, mode)
     allgather(ws.mine, group=comm, out=ws.gathered)
     for j in range(n):
         _kernels().decompress(ws.gathered[j], out=ws.out[j * part:(j + 1) * part])
@@ -255,27 +260,14 @@ def _exchange(flat: Any, average: bool, comm: Any, method: str, chunk_size: int,
     return ws.out, finite
 
 
-def _residuals(state: CompressionState | None, like: Any, worker_n: int, server_n: int,
-               nonfinite: str, method: str) -> tuple[Any, Any]:
-    """(worker, server) residuals this call updates: the committed ones themselves for
-    ``"raise"``, scratch copies for ``"propagate"`` (kept or not after the exchange)."""
-    if method != "sign1":
-        return None, None
-    if nonfinite == "propagate":
-        return state._scratch(like, worker_n, server_n)
-    if state.worker is None or state.worker.shape[0] != worker_n:
-        state.worker = _zeros(like, worker_n)
-    if state.server is None or state.server.shape[0] != server_n:
-        state.server = _zeros(like, server_n)
-    return state.worker, state.server
-
-
 def _compress(x: Any, out: Any, method: str, chunk_size: int, residual: Any,
-              mode: str) -> None:
+              residual_out: Any, mode: str) -> None:
+    """``residual_out`` None: the residual is updated in place."""
     if method == "minmax_uint8":
         _kernels().quantize_minmax_uint8(x, chunk_size, out=out, nonfinite=mode)
     else:
-        _kernels().compress_sign(x, residual, chunk_size, out=out, nonfinite=mode)
+        _kernels().compress_sign(x, residual, chunk_size, out=out, nonfinite=mode,
+                                 residual_out=residual_out)
 
 
 def _reduce_parts(ws: _Workspace, n: int, part: int, average: bool) -> None:
