@@ -61,8 +61,9 @@ class CompressionState:
 
     Under ``nonfinite="propagate"`` a call writes its residual updates into second
     buffers (the kernel reads ``worker``/``server`` and writes those, no copy) and
-    ``finite`` tells whether its result was finite (the same on every rank). With ``commit=True`` the updates replace ``worker``/``server`` when it was, and
-    are dropped when it was not; with ``commit=False`` they wait for :meth:`commit` (or
+    ``finite`` tells whether its result was finite (the same on every rank). With
+    ``commit=True`` the updates replace ``worker``/``server`` when it was, and are
+    dropped when it was not; with ``commit=False`` they wait for :meth:`commit` (or
     :meth:`discard`), so that a caller exchanging several tensors per step (one state
     each) can keep all of the step's updates or none."""
 
