@@ -6,9 +6,10 @@ arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Wor
 """
 from .errors import CommError
 from .options import Options, options
-from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, barrier,
-                         block_offsets, block_sizes, broadcast, new_group, recv, reduce,
-                         reduce_scatter, send, world)
+from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, alltoall_v,
+                         barrier, block_offsets, block_sizes, broadcast, gather, new_group,
+                         recv, recv_any, reduce, reduce_scatter, scatter, send, world)
+from .primitives import group_from_ranks as new_subgroup
 from .reduce_ops import ReduceOp
 from .runtime import (get_local_rank, get_local_size, get_rank, get_world_size, init,
                       is_initialized)
@@ -29,8 +30,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "CommError", "DistributedDataParallel", "Group", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
-    "allreduce", "alltoall", "barrier", "block_offsets", "block_sizes", "broadcast",
-    "get_local_rank", "get_local_size", "get_rank", "get_world_size", "init",
-    "is_initialized", "new_group", "options", "recv", "reduce", "reduce_scatter", "send",
-    "stats", "world",
+    "allreduce", "alltoall", "alltoall_v", "barrier", "block_offsets", "block_sizes",
+    "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
+    "init", "is_initialized", "new_group", "new_subgroup", "options", "recv", "recv_any",
+    "reduce", "reduce_scatter", "scatter", "send", "stats", "world",
 ]
