@@ -14,6 +14,14 @@ from .reduce_ops import ReduceOp
 from .runtime import (get_local_rank, get_local_size, get_rank, get_world_size, init,
                       is_initialized)
 from .accounting import stats
+from . import mpi_env as _mpi_env
+from .torch_backend import hook as _torch_hook
+
+# Under mpiexec: torch.distributed's env:// variables from MPI (see commlib.mpi_env), and
+# the "commlib" torch.distributed backend registered once torch is (or when it gets)
+# imported (see commlib.torch_backend.hook); neither imports torch.
+_mpi_env.publish()
+_torch_hook.install()
 
 __version__ = "0.1.0"
 
@@ -25,6 +33,7 @@ def __getattr__(name: str):
         return import_module(".ddp", __name__).DistributedDataParallel
     if name == "algorithms":
         return import_module(".algorithms", __name__)
+
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 
 
