@@ -7,7 +7,7 @@ from typing import Any
 
 from ..primitives import Group, recv as commlib_recv, recv_any, send as commlib_send
 from .convert import where
-from .work import CommlibWork
+from .work import CommlibWork, track
 
 
 def _one(tensors: Any, op: str, rank: int) -> Any:
@@ -22,14 +22,14 @@ def send(group: Group, tensors: list, dst: int, tag: int) -> CommlibWork:
     the handle completes."""
     tensor = _one(tensors, "send", group.rank)
     pending = commlib_send(tensor.detach(), dst, tag, group, async_op=True)
-    return CommlibWork(list(tensors), pending)
+    return track(CommlibWork(list(tensors), pending))
 
 
 def recv(group: Group, tensors: list, src: int, tag: int) -> CommlibWork:
     """Start receiving into ``tensors[0]`` from group rank ``src``."""
     tensor = _one(tensors, "recv", group.rank)
     pending = commlib_recv(tensor.detach(), src, tag, group, async_op=True)
-    return CommlibWork(list(tensors), pending, source=src)
+    return track(CommlibWork(list(tensors), pending, source=src))
 
 
 def recv_anysource(group: Group, tensors: list, tag: int) -> CommlibWork:
@@ -39,4 +39,4 @@ def recv_anysource(group: Group, tensors: list, tag: int) -> CommlibWork:
     pending = recv_any(tensor.detach(), tag, group, async_op=True)
     work = CommlibWork(list(tensors), pending)
     work._on_done = work.set_source
-    return work
+    return track(work)

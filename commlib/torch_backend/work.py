@@ -8,9 +8,20 @@ Point-to-point operations are real non-blocking MPI requests (so paired
 and ``get_future()`` does the same before it returns a completed future, because torch's
 DDP waits on the future, and with MPI nothing makes progress unless someone calls into
 it; ``is_completed()`` tests without blocking.
+
+Pending point-to-point handles are kept in :data:`_in_flight` until they complete, so the
+tensors MPI reads or writes stay alive even when the caller drops the handle. At exit
+(before MPI is finalized and before Python frees module objects) operations still pending
+get a short grace period to complete (typically a matched ``isend``/``irecv`` pair nobody
+waited for), then are cancelled; otherwise MPI would finish them during finalization
+into memory Python had already freed.
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
+import sys
+import time
 from typing import Any, Callable
 
 import torch
@@ -37,6 +48,7 @@ class CommlibWork(Work):
     def _complete(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
+            _in_flight.discard(self)
             value = pending.wait()
             if self._on_done is not None:
                 self._on_done(value)
@@ -90,3 +102,44 @@ class CommlibWork(Work):
 def done(tensors: list) -> CommlibWork:
     """The handle of a completed operation."""
     return CommlibWork(list(tensors))
+
+
+_in_flight: set[CommlibWork] = set()
+_SWEEP_AT = 64
+
+
+def track(work: CommlibWork) -> CommlibWork:
+    """Keep a pending handle (and so its tensors) alive until it completes; completed
+    handles nobody waited for are dropped now and then."""
+    global _SWEEP_AT
+    _in_flight.add(work)
+    if len(_in_flight) >= _SWEEP_AT:
+        for w in list(_in_flight):
+            w.is_completed()
+        _SWEEP_AT = max(64, 2 * len(_in_flight))
+    return work
+
+
+def settle(grace_s: float = 2.0) -> int:
+    """Let pending point-to-point operations complete for up to ``grace_s`` seconds, then
+    cancel the rest. Returns how many had to be cancelled (run at exit)."""
+    deadline = time.monotonic() + grace_s
+    while _in_flight and time.monotonic() < deadline:
+        for w in list(_in_flight):
+            w.is_completed()
+        time.sleep(1e-3)
+    left = list(_in_flight)
+    for w in left:
+        _in_flight.discard(w)
+        pending, w._pending = w._pending, None
+        if pending is not None and not pending.cancel():
+            # MPI may still use the buffers during finalization: never free them (module
+            # globals are cleared before MPI is finalized, so a list would not do).
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pending))
+    if left:
+        sys.stderr.write(f"[commlib] torch backend: {len(left)} point-to-point operation(s) "
+                         f"never completed by exit were cancelled\n")
+    return len(left)
+
+
+atexit.register(settle)
