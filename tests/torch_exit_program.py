@@ -1,8 +1,19 @@
 """Creates commlib and gloo process groups, uses asynchronous operations and ends without
-destroy_process_group(): the job must still exit 0 (run by test_torch_launch.py)."""
+destroy_process_group(): the job must still exit 0 (run by test_torch_launch.py).
+A matched isend/irecv pair nobody waits for is completed at exit, before MPI finalizes."""
+import atexit
+
 import torch
-import commlib  # noqa: F401
-import torch.distributed as dist
+
+
+def report() -> None:
+    # Registered first, so it runs after commlib's own exit handlers.
+    print(f"rank {rank} unwaited irecv at exit: {late_buffer.tolist()}", flush=True)
+
+
+atexit.register(report)
+import commlib  # noqa: F401,E402
+import torch.distributed as dist  # noqa: E402
 
 dist.init_process_group("commlib")
 gloo = dist.new_group(backend="gloo")
@@ -19,6 +30,7 @@ sent.get_future().wait()
 work.wait()
 fut.wait()
 assert t[0] == n and got[0] == left
-late = dist.isend(torch.ones(2), right)        # never waited on
-pending = dist.irecv(torch.zeros(2), left)     # matched by the peer's late isend
+late_buffer = torch.zeros(2)
+dist.irecv(late_buffer, left)                  # never waited on; handle dropped
+late = dist.isend(torch.full((2,), 7.0), right)   # never waited on
 print(f"rank {rank} finished", flush=True)
