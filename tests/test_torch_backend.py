@@ -265,3 +265,27 @@ def test_unsupported_operations_name_themselves(torch_groups):
         dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)
     with pytest.raises(ValueError, match="one tensor per rank"):
         dist.all_gather([torch.zeros(3)] * (dist.get_world_size() + 1), torch.zeros(3))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not __import__("commlib.accelerator").accelerator.cuda_usable()["torch.cuda"],
+                    reason="no CUDA GPU for torch")
+def test_cuda_tensors_and_ddp_on_the_gpu(torch_groups):
+    world, _ = torch_groups
+    r, n = dist.get_rank(), dist.get_world_size()
+    t = data(r).cuda()
+    work = dist.all_reduce(t, async_op=True)
+    value = work.get_future().wait()
+    assert value[0].device.type == "cuda"
+    np.testing.assert_array_equal(t.cpu().numpy(), ref().sum(0))
+    out = torch.zeros(2 * n, dtype=torch.float64, device="cuda")
+    dist.all_to_all_single(out, data(r, 2 * n, seed=16).cuda())
+    expected = np.concatenate([ref(2 * n, seed=16)[i][2 * r:2 * r + 2] for i in range(n)])
+    np.testing.assert_array_equal(out.cpu().numpy(), expected)
+    torch.manual_seed(0)
+    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(6, 3).double().cuda(),
+                                                    process_group=world)
+    net(data(r, 12).reshape(2, 6).cuda()).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).cpu().numpy()
+    replicas = commlib.allgather(grads)
+    np.testing.assert_array_equal(replicas, np.broadcast_to(grads, replicas.shape))
