@@ -31,6 +31,10 @@ def unsupported(op: str, rank: int, detail: str = "") -> UnsupportedOperation:
 
 def reduce_op(opts: Any, op: str, rank: int) -> ReduceOp:
     """commlib's op for ``opts.reduceOp`` (a ``torch.distributed.ReduceOp``)."""
+    try:
+        return _OPS[opts.reduceOp.op]
+    except (AttributeError, KeyError):
+        pass
     red = getattr(opts, "reduceOp", opts)
     kind = getattr(red, "op", red)
     found = _OPS.get(kind)

@@ -45,6 +45,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def __init__(self, group: Group, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self.group = group
+        self._rank = rank
         self._names = {"name": "", "desc": ""}
 
     # -- identity ----------------------------------------------------------------------
@@ -78,10 +79,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     # -- reductions --------------------------------------------------------------------
     def allreduce(self, tensors: list, opts: Any = None) -> CommlibWork:
         """In place on every rank: ``all_reduce``."""
-        op = reduce_op(opts or dist.AllreduceOptions(), "all_reduce", self.rank())
-        for t in _as_list(tensors):
+        op = reduce_op(opts or dist.AllreduceOptions(), "all_reduce", self._rank)
+        tensors = _as_list(tensors)
+        for t in tensors:
             P.allreduce(t.detach(), op, self.group)
-        return done(_as_list(tensors))
+        return done(tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CommlibWork:
         """All tensors in one exchange per dtype and device (flattened, then copied back)."""
@@ -140,9 +142,10 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def broadcast(self, tensors: list, opts: Any = None) -> CommlibWork:
         """Rank ``opts.rootRank``'s tensor into every rank's, in place."""
         root = (opts or dist.BroadcastOptions()).rootRank
-        for t in _as_list(tensors):
+        tensors = _as_list(tensors)
+        for t in tensors:
             P.broadcast(t.detach(), root, self.group)
-        return done(_as_list(tensors))
+        return done(tensors)
 
     def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> CommlibWork:
         """``all_gather``: ``output_lists[0][r]`` = rank ``r``'s ``inputs[0]``."""
@@ -282,7 +285,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
 
 def _as_list(tensors: Any) -> list:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    return tensors if tensors.__class__ is list else (
+        [tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
 
 
 def _equal(t: torch.Tensor, n: int, what: str, rank: int) -> list[int]:
