@@ -23,8 +23,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import commlib  # noqa: E402  (before torch.distributed use: sets the env:// variables)
 import _common as C  # noqa: E402

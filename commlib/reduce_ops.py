@@ -4,10 +4,11 @@
 ranks; it is defined for floating-point and complex buffers only (an integer average would
 silently truncate). For ``bool`` buffers ``SUM``/``MAX`` are logical OR and
 ``MIN``/``PRODUCT`` logical AND. The bitwise ``BAND``/``BOR``/``BXOR`` are defined for
-integer and bool buffers only (on bool: logical AND, OR, XOR). ``bfloat16`` (and ``float16`` where MPI has no native
-half type) are reduced by user-defined operations that combine each pair of operands in
-float32 and round the result back to 16 bits, so every intermediate is representable and
-the result matches a float32 reduction rounded per step.
+integer and bool buffers only (on bool: logical AND, OR, XOR). ``bfloat16`` (and
+``float16`` where MPI has no native half type) are reduced by user-defined operations
+that combine each pair of operands in float32 and round the result back to 16 bits, so
+every intermediate is representable and the result matches a float32 reduction rounded
+per step.
 """
 from __future__ import annotations
 

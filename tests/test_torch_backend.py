@@ -5,7 +5,6 @@ import pytest
 
 import commlib
 from helpers import rank_data
-from torch_dist import torch_groups  # noqa: F401 - fixture
 
 torch = pytest.importorskip("torch")
 dist = torch.distributed

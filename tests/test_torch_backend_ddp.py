@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import commlib
-from torch_dist import torch_groups  # noqa: F401 - fixture
 
 torch = pytest.importorskip("torch")
 dist = torch.distributed

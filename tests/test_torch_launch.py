@@ -12,8 +12,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from helpers import clean_env, run_mpi, serial_only
 
 pytestmark = serial_only

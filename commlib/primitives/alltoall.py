@@ -49,7 +49,6 @@ def alltoall(tensor: Any, group: Any = None, async_op: bool = False, out: Any = 
     return out.obj
 
 
-
 def alltoall_v(tensor: Any, send_splits: Sequence[int], recv_splits: Sequence[int] | None = None,
                group: Any = None, async_op: bool = False, out: Any = None) -> Any:
     """Exchange blocks of different sizes between all pairs of ranks.
