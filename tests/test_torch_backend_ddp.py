@@ -11,7 +11,7 @@ dist = torch.distributed
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 STEPS = 12
 TOL = 1e-10
 
