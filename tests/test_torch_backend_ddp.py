@@ -8,7 +8,6 @@ import commlib
 
 torch = pytest.importorskip("torch")
 dist = torch.distributed
-from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -29,6 +28,7 @@ def train(pg, zero: bool = False, steps: int = STEPS) -> list[np.ndarray]:
     ``pg`` instead of SGD with momentum."""
     net = DDP(model(), process_group=pg, bucket_cap_mb=0.002)
     if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam,
                                       process_group=pg, lr=1e-2)
     else:
