@@ -35,6 +35,7 @@ import os
 import socket
 import struct
 import sys
+import warnings
 from typing import Callable, MutableMapping, Sequence
 
 from mpi4py import MPI
@@ -61,17 +62,23 @@ def publish(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
         rank, size = comm.Get_rank(), comm.Get_size()
         local_rank, local_size = _node(comm)
         single_node = local_size == size  # the same answer on every rank
-        hosts = comm.gather(None if single_node else (socket.gethostname(), host_addresses()),
-                            root=0)
-        master = None
+        hosts = comm.gather(None if single_node else _describe_host(), root=0)
+        master: tuple[str, str] | str | None = None
         if rank == 0:
-            addr = env.get("MASTER_ADDR") or (
-                "127.0.0.1" if single_node else choose_master_addr(hosts, route_source))
-            port = env.get("MASTER_PORT") or str(free_port())
-            master = (addr, port)
-        addr, port = comm.bcast(master, root=0)
+            try:  # whatever happens, every rank gets an answer: nobody waits forever
+                addr = env.get("MASTER_ADDR") or (
+                    "127.0.0.1" if single_node else choose_master_addr(hosts, route_source))
+                master = (addr, env.get("MASTER_PORT") or str(free_port()))
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                master = repr(exc)
+        master = comm.bcast(master, root=0)
     finally:
         comm.Free()
+    if isinstance(master, str):
+        warnings.warn(f"commlib: rank 0 could not choose MASTER_ADDR/MASTER_PORT ({master}); "
+                      f"torch.distributed's env:// variables were not set", stacklevel=2)
+        return {}
+    addr, port = master
     values = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local_rank),
               "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": addr, "MASTER_PORT": port}
     _published = {k: v for k, v in values.items() if k not in env}
@@ -90,6 +97,13 @@ def _node(comm: MPI.Comm) -> tuple[int, int]:
         return local.Get_rank(), local.Get_size()
     finally:
         local.Free()
+
+
+def _describe_host() -> tuple[str, list[str]]:
+    try:
+        return socket.gethostname(), host_addresses()
+    except OSError:
+        return "", []
 
 
 def choose_master_addr(hosts: Sequence[tuple[str, list[str]]],
