@@ -68,3 +68,36 @@ def test_ddp_on_cuda_matches_cpu():
         assert (everyone == everyone[0]).all()
     finally:
         ddp.close()
+
+
+@pytest.mark.mpi
+@needs_torch_cuda
+def test_ddp_waits_for_gradients_produced_on_a_side_stream():
+    """The forward (hence backward) runs on a side stream whose kernels are slowed by a
+    large matmul; the exchange must wait for that stream (an event per gradient), not for
+    the communication thread's own stream: gradients must equal a CPU reference exactly."""
+    import torch
+    import torch.nn.functional as F
+    from models import make
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    model = make("mlp", torch.float64).cuda()
+    ref = make("mlp", torch.float64)
+    ddp = commlib.DistributedDataParallel(model, bucket_cap_mb=0.0005,
+                                          device_ids=[torch.cuda.current_device()])
+    side = torch.cuda.Stream()
+    try:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(4 * n, 10, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 4, (4 * n,), generator=g)
+        mine = slice(4 * rank, 4 * rank + 4)
+        with torch.cuda.stream(side):
+            busy = torch.randn(4096, 4096, device="cuda")
+            for _ in range(8):
+                busy = busy @ busy / 4096  # keep the side stream busy before the backward
+            F.cross_entropy(ddp(x[mine]), y[mine].cuda()).backward()
+        F.cross_entropy(ref(x), y).backward()
+        torch.cuda.synchronize()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-10, atol=1e-10)
+    finally:
+        ddp.close()

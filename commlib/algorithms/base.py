@@ -9,15 +9,32 @@ Lifecycle, on every rank, in this order::
 
     setup(ctx)                      once, after parameters were broadcast from rank 0
     tensors(ctx) / make_buckets()   which tensors travel and how they are grouped
-    per step:
+    per iteration (``ctx.step`` = iterations completed before this one):
+      after_iteration(ctx)          main thread, once per completed iteration, before the
+                                    first training forward of the next one (and before
+                                    ``average_parameters()``); ``ctx.step`` already counts
+                                    the completed iteration. May communicate.
+      need_reset(ctx) -> reset(ctx) checked before each forward (e.g. end of a warm-up);
+                                    buckets are rebuilt afterwards
       before_forward(ctx)           main thread, before the module's forward
       on_bucket_ready(ctx, bucket)  communication thread, once per bucket per backward,
                                     buckets in increasing index on every rank
-      after_backward(ctx)           main thread, when every bucket exchange finished
+      after_backward(ctx)           main thread, when every bucket exchange finished;
+                                    then ``ctx.step`` is incremented
       before_optimizer_step(ctx, optimizer) / after_optimizer_step(ctx, optimizer)
-      need_reset(ctx) -> reset(ctx) checked before each forward (e.g. end of a warm-up);
-                                    buckets are rebuilt afterwards
+                                    around each ``optimizer.step()`` of an optimizer that
+                                    holds parameters of the module: zero, one or several
+                                    times per iteration (a skipped AMP step, several
+                                    optimizers); rank-local, they must never communicate
     teardown(ctx)                   when the wrapper is closed
+
+**Iterations.** An iteration ends with a backward pass outside ``no_sync()`` (whatever the
+algorithm exchanges); ``ctx.step`` counts them. Every rank makes the same backward passes,
+so every schedule keyed on ``ctx.step`` (warm-ups, communication intervals, peer
+rotations, K-FAC update intervals) agrees across ranks even when one rank skips an
+optimizer step or several optimizers step. Work that belongs "after the optimizer step"
+and communicates (model averaging, gossip) goes into :meth:`Algorithm.after_iteration`,
+which runs once all optimizers of the iteration have stepped.
 
 Hooks that communicate must make the same collectives in the same order on every rank.
 ``on_bucket_ready`` runs on the wrapper's communication thread, so communication overlaps
@@ -44,11 +61,11 @@ class Context:
     module: torch.nn.Module
     group: Any                       # commlib Group used by every collective of the run
     named_parameters: list[tuple[str, torch.nn.Parameter]]
-    bucket_cap_bytes: int
+    bucket_cap_bytes: "int | list[int]"  # one cap, or one per bucket (the last repeats)
     submit: Callable[..., Any]       # run a job on the communication thread -> Future
     buckets: list[Bucket] = field(default_factory=list)
-    step: int = 0                    # optimizer steps taken so far
-    backward_passes: int = 0         # backward passes that exchanged (outside no_sync)
+    step: int = 0                    # iterations completed (backward passes outside no_sync)
+    iteration_pending: bool = False  # the last one's after_iteration has not run yet
     state: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -99,6 +116,11 @@ class Algorithm:
 
     def after_optimizer_step(self, ctx: Context, optimizer: torch.optim.Optimizer) -> None:
         """Main thread, after ``optimizer.step()``."""
+
+    def after_iteration(self, ctx: Context) -> None:
+        """Main thread, once per completed iteration, after every optimizer step of it and
+        before the next training forward (``ctx.step`` counts the completed iteration).
+        Called at the same point on every rank, so it may communicate."""
 
     def need_reset(self, ctx: Context) -> bool:
         """Checked before each forward; ``True`` makes the wrapper call :meth:`reset` and

@@ -43,17 +43,19 @@ class Bucket:
                 f"{self.dtype}, {self.device}>")
 
 
-def plan(named: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
+def plan(named: Iterable[tuple[str, torch.Tensor]], cap_bytes: int | Sequence[int],
          first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
     """Group tensors (given in registration order) into buckets, in reverse order.
 
     Backward produces gradients roughly in reverse registration order, so buckets are
     filled from the last tensor backwards; a bucket holds one dtype and device and closes
     when it would exceed ``cap_bytes`` (the smaller of that and ``first_cap_bytes`` for
-    the first one). Returns the
-    indices (into ``named``) of each bucket, buckets in launch order.
+    the first one). A sequence of caps gives bucket ``k`` the ``k``-th cap (the last one
+    repeating) and no special first bucket. Returns the indices (into ``named``) of each
+    bucket, buckets in launch order.
     """
     items = list(named)
+    caps = None if isinstance(cap_bytes, int) else list(cap_bytes)
     open_: dict[Any, list[int]] = {}
     sizes: dict[Any, int] = {}
     closed: list[list[int]] = []
@@ -61,7 +63,10 @@ def plan(named: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
         t = items[i][1]
         key = (t.dtype, t.device)
         nbytes = t.numel() * t.element_size()
-        cap = min(first_cap_bytes, cap_bytes) if not closed else cap_bytes
+        if caps is not None:
+            cap = caps[min(len(closed), len(caps) - 1)]
+        else:
+            cap = min(first_cap_bytes, cap_bytes) if not closed else cap_bytes
         if key in open_ and sizes[key] + nbytes > cap:
             closed.append(open_.pop(key))
         if key not in open_:
@@ -72,7 +77,7 @@ def plan(named: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
     return closed
 
 
-def build(named: Sequence[tuple[str, torch.Tensor]], cap_bytes: int,
+def build(named: Sequence[tuple[str, torch.Tensor]], cap_bytes: int | Sequence[int],
           first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
     """:func:`plan` and allocate: one :class:`Bucket` per group, flat buffers zeroed."""
     groups = plan(named, cap_bytes, first_cap_bytes)

@@ -59,6 +59,10 @@ class Decentralized(Algorithm):
     def before_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
         self._finish(ctx)
 
+    def after_iteration(self, ctx: Context) -> None:
+        # A rank whose optimizer skipped the step (AMP overflow) still takes the average.
+        self._finish(ctx)
+
     def _finish(self, ctx: Context) -> None:
         if self._pending is None:
             return

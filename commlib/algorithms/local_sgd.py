@@ -4,8 +4,6 @@ weight bytes equal gradient bytes, so communication is about ``1/sync_every`` of
 ``gradient_allreduce``'s."""
 from __future__ import annotations
 
-from typing import Any
-
 from ..primitives import allreduce
 from ..reduce_ops import ReduceOp
 from .base import WEIGHTS, Algorithm, Context
@@ -15,8 +13,9 @@ from .registry import register
 
 @register("local_sgd")
 class LocalSGD(Algorithm):
-    """Average the models after every ``sync_every``-th optimizer step (on every rank, after
-    the step, before the next forward). Between averages the replicas differ."""
+    """Average the models after every ``sync_every``-th iteration (on every rank, once all
+    optimizers of the iteration stepped, before the next forward, or in
+    ``average_parameters()``). Between averages the replicas differ."""
 
     exchanges = WEIGHTS
 
@@ -25,7 +24,7 @@ class LocalSGD(Algorithm):
             raise ValueError(f"local_sgd: sync_every must be >= 1, got {sync_every}")
         self.sync_every = int(sync_every)
 
-    def after_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
+    def after_iteration(self, ctx: Context) -> None:
         if ctx.step % self.sync_every == 0:
             ctx.run(self._average, ctx)
 

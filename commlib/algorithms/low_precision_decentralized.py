@@ -50,7 +50,7 @@ class LowPrecisionDecentralized(Algorithm):
         self._replicas = [{k: pack(b).clone() for k in ("pub", "left", "right")}
                           for b in ctx.buckets]
 
-    def after_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
+    def after_iteration(self, ctx: Context) -> None:
         if not self._replicas:
             self._init_replicas(ctx)
         if ctx.step % self.communication_interval == 0 and ctx.world_size > 1:

@@ -77,9 +77,14 @@ def available() -> list[str]:
     return sorted(_registry)
 
 
-def get(name: str, **kwargs: Any) -> Any:
-    """An instance of the algorithm registered as ``name``, configured with ``kwargs``."""
+def lookup(name: str) -> type:
+    """The class registered as ``name`` (``ValueError`` naming the choices otherwise)."""
     names = available()
     if name not in _registry:
         raise ValueError(f"unknown commlib algorithm {name!r}; available: {', '.join(names)}")
-    return _registry[name](**kwargs)
+    return _registry[name]
+
+
+def get(name: str, **kwargs: Any) -> Any:
+    """An instance of the algorithm registered as ``name``, configured with ``kwargs``."""
+    return lookup(name)(**kwargs)

@@ -12,17 +12,22 @@ from ..errors import CommError
 from ..primitives import allgather, allgather_v
 
 
-def describe(module: torch.nn.Module) -> list[list[Any]]:
-    """(kind, name, shape, dtype) of every parameter and buffer, in registration order."""
-    rows = [["parameter", n, list(p.shape), str(p.dtype)] for n, p in module.named_parameters()]
-    rows += [["buffer", n, list(b.shape), str(b.dtype)] for n, b in module.named_buffers()]
+def describe(module: torch.nn.Module, ignore: set[str] = frozenset()) -> list[list[Any]]:
+    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer not in
+    ``ignore``, in registration order."""
+    rows = [["parameter", n, list(p.shape), str(p.dtype), p.requires_grad]
+            for n, p in module.named_parameters() if n not in ignore]
+    rows += [["buffer", n, list(b.shape), str(b.dtype), False]
+             for n, b in module.named_buffers() if n not in ignore]
     return rows
 
 
-def check_same_model(module: torch.nn.Module, group: Any) -> None:
+def check_same_model(module: torch.nn.Module, group: Any,
+                     ignore: set[str] = frozenset()) -> None:
     """Collective over ``group``: raise :class:`CommError` on every rank, naming the first
-    difference, unless all ranks have the same parameter/buffer names, shapes and dtypes."""
-    rows = describe(module)
+    difference, unless all ranks have the same parameter/buffer names, shapes, dtypes and
+    ``requires_grad`` (which decides what the buckets hold)."""
+    rows = describe(module, ignore)
     encoded = json.dumps(rows).encode()
     digest = np.frombuffer(hashlib.sha256(encoded).digest(), dtype=np.uint8)
     digests = allgather(digest, group=group)
@@ -48,5 +53,6 @@ def _first_difference(models: list[list[Any]], rank: int) -> str:
 def _fmt(row: Any) -> str:
     if row is None:
         return "nothing"
-    kind, name, shape, dtype = row
-    return f"{kind} {name!r} shape {tuple(shape)} {dtype}"
+    kind, name, shape, dtype, requires_grad = row
+    frozen = "" if requires_grad or kind == "buffer" else " (requires_grad=False)"
+    return f"{kind} {name!r} shape {tuple(shape)} {dtype}{frozen}"

@@ -3,128 +3,242 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.distributed.algorithms.join import Joinable
 
 from .. import runtime
-from ..algorithms import registry
 from ..algorithms.base import GRADIENTS, Algorithm, Context
-from ..algorithms.buckets import MB
+from ..algorithms.buckets import plan
+from ..options import options
 from ..primitives import allreduce, broadcast, new_group
 from ..reduce_ops import ReduceOp
+from . import arguments
 from .consistency import check_same_model
 from .engine import Engine
 from .graph import reached_parameters
-from .hooks import GradientHooks
+from .hooks import FIND_UNUSED, STATIC, STRICT, GradientHooks
+from .join import Join, TorchJoinHook, notify_torch_join
+
+# Construction broadcasts and average_parameters() move at most this much at once.
+COALESCE_BYTES = 64 << 20
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(torch.nn.Module, Joinable):
     """Data-parallel training over MPI with a pluggable communication algorithm.
 
-    Behaves like ``torch.nn.parallel.DistributedDataParallel``: wrap the model, train as
-    usual, launch with ``mpiexec -n N``. At construction (collective over ``group``, default
-    the world) every rank must wrap a model with the same parameter and buffer names,
-    shapes and dtypes (else :class:`commlib.CommError` naming the first difference), and
-    parameters and buffers are broadcast from rank 0. Buffers are broadcast again before
-    each forward when ``broadcast_buffers``. During backward, gradients are grouped into
-    buckets of about ``bucket_cap_mb`` MiB (reverse registration order, the first bucket
-    small) and each bucket is exchanged by ``algorithm`` as soon as its last gradient is
-    ready, on a communication thread, overlapping with the rest of backward; ``backward()``
-    returns once every exchange finished and ``.grad`` holds the result on every rank.
+    Behaves like ``torch.nn.parallel.DistributedDataParallel`` and takes its arguments in
+    its order (see :mod:`commlib.ddp.arguments` for how each is handled): wrap the model,
+    train as usual, launch with ``mpiexec -n N``. At construction (collective over the
+    group, default the world) every rank must wrap a model with the same parameter and
+    buffer names, shapes and dtypes (else :class:`commlib.CommError` naming the first
+    difference on every rank), and parameters and buffers are broadcast from rank 0.
+    During backward, gradients are grouped into buckets of about ``bucket_cap_mb`` MiB
+    (reverse registration order, the first bucket small) that ``.grad`` views into, and
+    each bucket is exchanged by ``algorithm`` as soon as its last gradient is ready, on a
+    communication thread, overlapping with the rest of backward; ``backward()`` returns once
+    every exchange finished and ``.grad`` holds the result on every rank.
 
-    ``algorithm`` is a registered name (see ``commlib.algorithms.available()``) configured by
-    ``algorithm_kwargs``, or an :class:`commlib.algorithms.Algorithm` instance. With
-    ``find_unused_parameters=True``, parameters the forward pass did not reach do not stall
-    their bucket; parameters unused on every rank keep ``grad`` as it was (``None``).
-    Optimizer steps of any ``torch.optim`` optimizer over the module's parameters are
-    observed through optimizer hooks, so algorithms that act around the step need nothing
-    more from the training loop.
+    ``algorithm`` (keyword only) is a registered name (``commlib.algorithms.available()``)
+    configured by the remaining keyword arguments, or an
+    :class:`commlib.algorithms.Algorithm` instance. An iteration ends with each backward
+    outside :meth:`no_sync`; algorithm schedules count iterations, so they agree on every
+    rank whatever the number of optimizers or skipped (AMP) steps. Optimizer steps of any
+    ``torch.optim`` optimizer holding the module's parameters are observed through
+    optimizer hooks.
     """
 
-    def __init__(self, module: torch.nn.Module, algorithm: str | Algorithm = "gradient_allreduce",
-                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, group: Any = None,
+    def __init__(self, module: torch.nn.Module, device_ids: Any = None, output_device: Any = None,
+                 dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
+                 mixed_precision: Any = None, device_mesh: Any = None,
+                 skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[float] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None, *,
+                 algorithm: str | Algorithm = "gradient_allreduce",
                  **algorithm_kwargs: Any) -> None:
         super().__init__()
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"DistributedDataParallel: argument 'module' must be a "
-                            f"torch.nn.Module, got {type(module).__name__}")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be positive, "
-                             f"got {bucket_cap_mb}")
+        Joinable.__init__(self)
+        self._torch_join_hook: TorchJoinHook | None = None
+        arguments.check_module(module)
+        self.device_ids, self.output_device = arguments.devices(module, device_ids,
+                                                                output_device)
+        arguments.check_unsupported(mixed_precision, delay_all_reduce_named_params,
+                                    param_to_hook_all_reduce)
+        caps = arguments.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self.algorithm = arguments.make_algorithm(algorithm, algorithm_kwargs)
+        parent = arguments.resolve_group(process_group, device_mesh)
         self.module = module
+        self.dim = dim
         self.find_unused_parameters = bool(find_unused_parameters)
-        self.broadcast_buffers = bool(broadcast_buffers)
-        self.algorithm = _make_algorithm(algorithm, algorithm_kwargs)
+        self.static_graph = bool(static_graph)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers, init_buffers = bool(forward_sync_buffers), True
+        else:
+            self.forward_sync_buffers = init_buffers = (
+                True if broadcast_buffers is None else bool(broadcast_buffers))
+        self._ignored = arguments.ignored_names(module)
+        self._closed = False
         # A communicator of our own: the wrapper's collectives never match the user's.
-        self.process_group = new_group(parent=group)
-        check_same_model(module, self.process_group)
+        self.process_group = new_group(parent=parent)
+        try:
+            self._setup(init_sync, init_buffers, caps)
+        except BaseException:
+            self._closed = True
+            self.process_group.free()
+            raise
+
+    def _setup(self, init_sync: bool, init_buffers: bool, caps: list[int]) -> None:
+        named = [(n, p) for n, p in self.module.named_parameters() if n not in self._ignored]
+        if init_sync:
+            check_same_model(self.module, self.process_group, self._ignored)
         threaded = runtime.thread_multiple()
         if not threaded:
             warnings.warn("commlib: MPI lacks MPI_THREAD_MULTIPLE; gradient exchange will not "
-                          "overlap with backward", RuntimeWarning, stacklevel=2)
+                          "overlap with backward", RuntimeWarning, stacklevel=3)
         self._engine = Engine(threaded)
         self._sync = True
-        self._broadcast(list(module.parameters()) + list(module.buffers()))
-        self._ctx = Context(module=module, group=self.process_group,
-                            named_parameters=list(module.named_parameters()),
-                            bucket_cap_bytes=int(bucket_cap_mb * MB),
+        self._join: Join | None = None
+        self._comm_hook: Any = None
+        if init_sync:
+            self._broadcast([p for _, p in named] + (self._buffers_to_sync() if init_buffers
+                                                     else []))
+        self._ctx = Context(module=self.module, group=self.process_group,
+                            named_parameters=named,
+                            bucket_cap_bytes=caps[0] if len(caps) == 1 else caps,
                             submit=self._engine.submit)
         self.algorithm.setup(self._ctx)
-        self._hooks = GradientHooks(self._ctx, self.algorithm, self._engine,
-                                    self.find_unused_parameters)
+        mode = FIND_UNUSED if self.find_unused_parameters else STRICT
+        if self.static_graph:
+            mode = STATIC
+        self._hooks = GradientHooks(self._ctx, self.algorithm, self._engine, mode,
+                                    self._end_iteration)
         self._rebuild_buckets()
         self._optimizer_hooks = _register_optimizer_hooks(self)
 
     # -- torch DDP surface -------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        ctx, algo = self._ctx, self.algorithm
-        if algo.need_reset(ctx):
-            algo.reset(ctx)
-            self._rebuild_buckets()
-        if self.broadcast_buffers:
-            self._broadcast(list(self.module.buffers()))
-        algo.before_forward(ctx)
-        output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            reached = reached_parameters(output) if self.find_unused_parameters else None
-            self._hooks.expect_backward(reached, exchange=self._sync)
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        training = torch.is_grad_enabled()
+        if training and self._join is not None:
+            self._join.notify(self)
+        elif training and self._join_config.enable:
+            notify_torch_join(self)
+        if training:
+            self._start_iteration()
+        if self.forward_sync_buffers:
+            self._broadcast(self._buffers_to_sync())
+        if training:
+            self.algorithm.before_forward(self._ctx)
+        if self.device_ids:
+            inputs, kwargs = _to_device(inputs, kwargs, self.device_ids[0])
+        output = self.module(*inputs, **kwargs)
+        if training:
+            reached = (reached_parameters(output)
+                       if self.find_unused_parameters and not self.static_graph else None)
+            self._hooks.expect_backward(reached, sync=self._sync)
         return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradients of backward passes inside accumulate locally; the first backward after
-        the block exchanges the accumulated sum."""
+        """Gradients of backward passes inside accumulate locally and no iteration ends;
+        the first backward after the block exchanges the accumulated sum."""
         previous, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = previous
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs, with the semantics of torch DDP's ``join()``:
+        a rank that ran out of data shadows the collectives of the others' iterations
+        (zero gradients), so nothing hangs; once every rank is out, the model of the last
+        rank to run out is broadcast to all. ``divide_by_initial_world_size=False`` averages
+        gradients over the ranks still training (averaging algorithms);
+        ``throw_on_early_termination=True`` makes every rank raise ``RuntimeError`` as soon
+        as one runs out. Collective over the group."""
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> TorchJoinHook:
+        """For torch's generic ``Join([ddp, ...])`` context manager (``join()`` needs no
+        torch.distributed): shadows the others' iterations, then syncs the final model.
+        ``divide_by_initial_world_size`` (default ``True``) as in :meth:`join`."""
+        self._torch_join_hook = TorchJoinHook(
+            self, kwargs.get("divide_by_initial_world_size", True))
+        return self._torch_join_hook
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The torch process group torch's ``Join`` counts ranks on: the default one."""
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            raise RuntimeError("torch's Join needs torch.distributed initialized (e.g. "
+                               "init_process_group(backend='commlib')); ddp.join() does not")
+        return dist.group.WORLD
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """torch's communication hook: ``hook(state, bucket) -> torch.futures.Future``
+        replaces the algorithm's exchange of each gradient bucket (``bucket`` has torch's
+        ``GradBucket`` methods; its buffer is not pre-divided; the future's value is the new
+        bucket content). Call once, before the first backward; the hook runs on the
+        communication thread. See :mod:`commlib.ddp.comm_hooks` for ready-made hooks."""
+        from .comm_hooks import CommHookAlgorithm
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: argument 'hook' must be callable, got "
+                            f"{type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
+                               "called once.")
+        if self._ctx.step > 0 or self._hooks._started:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        if self.algorithm.exchanges != GRADIENTS:
+            raise RuntimeError(f"register_comm_hook: algorithm {self.algorithm.name!r} does not "
+                               f"exchange gradients; use algorithm='gradient_allreduce'")
+        self._comm_hook = (state, hook)
+        self.algorithm = CommHookAlgorithm(state, hook, self.algorithm)
+        self._hooks.algorithm = self.algorithm
+
+    def _set_static_graph(self) -> None:
+        """torch's ``_set_static_graph()``: as ``static_graph=True`` at construction."""
+        if self._ctx.step > 0:
+            raise RuntimeError("_set_static_graph must be called before the first iteration")
+        self.static_graph = True
+        self._hooks.mode = STATIC
+
     def average_parameters(self) -> None:
         """Collective: replace every parameter by its average over the group (e.g. to make
-        decentralized or local-SGD replicas equal before evaluation or saving)."""
-        params = [p for p in self.module.parameters()]
-        if not params or self.process_group.size == 1:
-            return
-        with torch.no_grad():
-            for ts in _by_dtype(params).values():
-                flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                self._ctx_run(allreduce, flat, ReduceOp.AVG, self.process_group)
-                _scatter(flat, ts)
+        decentralized or local-SGD replicas equal before evaluation or saving). Runs the
+        algorithm's pending end-of-iteration work first, so that nothing queued before the
+        call changes the parameters afterwards: on return every rank holds the same values."""
+        self._start_iteration(reset=False)
+        params = [p for _, p in self._ctx.named_parameters]
+        if params and self.process_group.size > 1:
+            self._coalesced(params, lambda flat: allreduce(flat, ReduceOp.AVG,
+                                                           self.process_group))
 
     def close(self) -> None:
-        """Stop the algorithm and the communication thread; remove every hook."""
-        if getattr(self, "_closed", False):
+        """Stop the algorithm and the communication thread; remove every hook; release the
+        communicator. Idempotent; collective only in what the algorithm's teardown does."""
+        if getattr(self, "_closed", True):
             return
         self._closed = True
         for handle in self._optimizer_hooks:
             handle.remove()
         self._hooks.remove()
-        self.algorithm.teardown(self._ctx)
-        self._engine.close()
-        self.process_group.free()
+        try:
+            self.algorithm.teardown(self._ctx)
+        finally:
+            self._engine.close()
+            self.process_group.free()
 
     def __del__(self) -> None:
         try:
@@ -132,64 +246,95 @@ class DistributedDataParallel(torch.nn.Module):
         except Exception:
             pass
 
+    # -- iterations ----------------------------------------------------------------------
+    def _end_iteration(self) -> None:
+        """Called by the hooks when a backward outside no_sync finished."""
+        self._ctx.iteration_pending = True
+
+    def _start_iteration(self, reset: bool = True) -> None:
+        """Run the end-of-iteration work of the previous iteration (every rank at the same
+        point), then let the algorithm switch phase."""
+        ctx, algo = self._ctx, self.algorithm
+        if options.check:
+            # Every rank must be at the same iteration (schedules key on it).
+            self.process_group.comm.verify("iteration", {"step": ctx.step})
+        if ctx.iteration_pending:
+            ctx.iteration_pending = False
+            algo.after_iteration(ctx)
+        if reset and algo.need_reset(ctx):
+            algo.reset(ctx)
+            self._rebuild_buckets()
+
+    def _shadow_iteration(self, sync: bool) -> None:
+        """One iteration of a rank that has no data (under :meth:`join`): the collectives
+        of a forward and, if ``sync``, of a backward with zero gradients."""
+        self._start_iteration()
+        if self.forward_sync_buffers:
+            self._broadcast(self._buffers_to_sync())
+        self.algorithm.before_forward(self._ctx)
+        if sync:
+            self._hooks.shadow_backward()
+
     # -- internals -----------------------------------------------------------------------
     def _rebuild_buckets(self) -> None:
         self._ctx.buckets = self.algorithm.make_buckets(self._ctx)
         self._hooks.attach(self._ctx.buckets, self.algorithm.exchanges == GRADIENTS)
 
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Coalesced broadcast from rank 0, one flat buffer per dtype and device."""
-        if not tensors or self.process_group.size == 1:
-            return
-        with torch.no_grad():
-            for ts in _by_dtype(tensors).values():
-                flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                self._ctx_run(broadcast, flat, 0, self.process_group)
-                _scatter(flat, ts)
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        return [b for n, b in self.module.named_buffers() if n not in self._ignored]
 
-    def _ctx_run(self, fn: Any, *args: Any) -> Any:
-        return self._engine.submit(fn, *args).result()
+    def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast from ``src`` (a group rank), coalesced per dtype and device."""
+        if tensors and self.process_group.size > 1:
+            self._coalesced(tensors, lambda flat: broadcast(flat, src, self.process_group))
+
+    def _coalesced(self, tensors: list[torch.Tensor], op: Callable[[torch.Tensor], Any]) -> None:
+        """Apply the in-place collective ``op`` to the tensors, packed into flat buffers of
+        one dtype and device and at most :data:`COALESCE_BYTES` each (so the extra memory
+        is bounded by one buffer, not the model), on the communication thread."""
+        with torch.no_grad():
+            for idx in plan([(str(i), t) for i, t in enumerate(tensors)], COALESCE_BYTES,
+                            COALESCE_BYTES):
+                group = [tensors[i] for i in idx]
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self._engine.submit(op, flat).result()
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, before: bool) -> None:
         if before:
             self.algorithm.before_optimizer_step(self._ctx, optimizer)
         else:
-            self._ctx.step += 1
             self.algorithm.after_optimizer_step(self._ctx, optimizer)
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return groups
+def _to_device(inputs: tuple, kwargs: dict, device: int) -> tuple[tuple, dict]:
+    """Move tensors inside ``inputs``/``kwargs`` to CUDA device ``device`` (torch DDP does
+    this for single-device modules given ``device_ids``)."""
+    target = torch.device("cuda", device)
 
+    def move(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.to(target, non_blocking=True)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(move(o) for o in obj))
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(move(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: move(v) for k, v in obj.items()}
+        return obj
 
-def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def _make_algorithm(algorithm: Any, kwargs: dict[str, Any]) -> Algorithm:
-    if isinstance(algorithm, str):
-        return registry.get(algorithm, **kwargs)
-    if isinstance(algorithm, Algorithm):
-        if kwargs:
-            raise TypeError(f"DistributedDataParallel: keyword arguments {sorted(kwargs)} "
-                            f"configure an algorithm given by name; {algorithm!r} is already "
-                            f"configured")
-        return algorithm
-    raise TypeError(f"DistributedDataParallel: argument 'algorithm' must be a registered name "
-                    f"or an Algorithm instance, got {type(algorithm).__name__}")
+    return move(inputs), move(kwargs)
 
 
 def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
     """Global optimizer hooks, filtered to optimizers that hold the module's parameters."""
+    import weakref
+
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
-    import weakref
     ref = weakref.ref(ddp)
     mine = {id(p) for p in ddp.module.parameters()}
 
@@ -198,12 +343,12 @@ def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
 
     def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         target = ref()
-        if target is not None and not getattr(target, "_closed", False) and owns(optimizer):
+        if target is not None and not target._closed and owns(optimizer):
             target._optimizer_step(optimizer, before=True)
 
     def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         target = ref()
-        if target is not None and not getattr(target, "_closed", False) and owns(optimizer):
+        if target is not None and not target._closed and owns(optimizer):
             target._optimizer_step(optimizer, before=False)
 
     return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
