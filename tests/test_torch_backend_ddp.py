@@ -1,6 +1,7 @@
 """Differential tests: torch's own DistributedDataParallel and ZeroRedundancyOptimizer over
 the commlib backend against the same over gloo, in one job, on the same float64 model and
-data; a deliberately broken backend must make the comparison fail."""
+data; a deliberately broken backend must make the comparison fail. (DistributedSampler over
+the default group of the commlib backend runs in test_torch_launch.py's programs.)"""
 import numpy as np
 import pytest
 
@@ -89,15 +90,16 @@ def test_differential_check_catches_a_broken_backend(torch_groups):
 
 
 @pytest.mark.mpi
-def test_distributed_sampler_over_the_default_commlib_group(torch_groups):
+def test_distributed_sampler_and_objects_over_the_commlib_group(torch_groups):
     from torch.utils.data import DistributedSampler, TensorDataset
-    r, n = dist.get_rank(), dist.get_world_size()
+    world, _ = torch_groups
+    r, n = world.rank(), world.size()
     dataset = TensorDataset(torch.arange(23))
-    sampler = DistributedSampler(dataset, seed=3)
+    sampler = DistributedSampler(dataset, num_replicas=n, rank=r, seed=3)
     sampler.set_epoch(1)
     mine = list(sampler)
     assert len(mine) == -(-23 // n)
     everyone = [None] * n
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=world)
     assert everyone[r] == mine
     assert sorted(set(i for part in everyone for i in part)) == list(range(23))
