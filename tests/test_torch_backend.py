@@ -22,22 +22,58 @@ def ref(numel: int = 7, seed: int = 0, kind: str = "sum") -> np.ndarray:
                      for r in range(dist.get_world_size())])
 
 
+MODES = ["blocking", "wait", "future"]
+
+
+def run(fn, mode: str, *args, **kwargs):
+    """``fn(*args, **kwargs)`` blocking, or with ``async_op=True`` and completed through
+    ``wait()`` or through ``get_future().wait()``."""
+    if mode == "blocking":
+        return fn(*args, **kwargs)
+    work = fn(*args, async_op=True, **kwargs)
+    if isinstance(work, torch.futures.Future):     # all_reduce_coalesced hands out one
+        work.wait()
+        assert work.done()
+        return work
+    if mode == "wait":
+        assert work.wait()
+    else:
+        work.get_future().wait()
+    assert work.is_completed()
+    return work
+
+
 REDUCTIONS = {"SUM": np.sum, "AVG": np.mean, "MIN": np.min, "MAX": np.max,
               "PRODUCT": np.prod}
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", list(REDUCTIONS))
-@pytest.mark.parametrize("async_op", [False, True])
-def test_all_reduce(commlib_pg, name, async_op):
+@pytest.mark.parametrize("mode", MODES)
+def test_all_reduce(commlib_pg, name, mode):
     r = dist.get_rank()
     kind = "product" if name == "PRODUCT" else "sum"
     t = data(r, kind=kind)
-    work = dist.all_reduce(t, op=getattr(dist.ReduceOp, name), async_op=async_op, group=commlib_pg)
-    if async_op:
-        assert work.wait() and work.is_completed()
-        assert work.get_future().wait()[0] is t
+    work = run(dist.all_reduce, mode, t, op=getattr(dist.ReduceOp, name), group=commlib_pg)
+    if mode != "blocking":
+        assert work.get_future().value()[0] is t
     np.testing.assert_array_equal(t.numpy(), REDUCTIONS[name](ref(kind=kind), axis=0))
+
+
+@pytest.mark.mpi
+def test_many_async_operations_in_flight(commlib_pg):
+    r, n = dist.get_rank(), dist.get_world_size()
+    ts = [data(r, seed=20 + k) for k in range(6)]
+    works = [dist.all_reduce(t, async_op=True, group=commlib_pg) for t in ts]
+    outs = [torch.zeros(7, dtype=torch.float64) for _ in range(n)]
+    works.append(dist.all_gather(outs, data(r, seed=30), async_op=True, group=commlib_pg))
+    futures = [w.get_future() for w in works[::2]]
+    for w in works[::-1]:
+        w.wait()
+    torch.futures.wait_all(futures)
+    for k, t in enumerate(ts):
+        np.testing.assert_array_equal(t.numpy(), ref(seed=20 + k).sum(0))
+    np.testing.assert_array_equal(torch.stack(outs).numpy(), ref(seed=30))
 
 
 @pytest.mark.mpi
@@ -52,11 +88,13 @@ def test_all_reduce_bitwise(commlib_pg, name, fn):
 
 
 @pytest.mark.mpi
-def test_all_reduce_coalesced(commlib_pg):
+@pytest.mark.parametrize("mode", MODES)
+def test_all_reduce_coalesced(commlib_pg, mode):
     r = dist.get_rank()
     a, b = data(r, 5, seed=1), data(r, 6, seed=2).reshape(2, 3)
     with pytest.warns(FutureWarning):
-        dist.all_reduce_coalesced([a, b[:, 1]], op=dist.ReduceOp.MAX, group=commlib_pg)
+        run(dist.all_reduce_coalesced, mode, [a, b[:, 1]], op=dist.ReduceOp.MAX,
+            group=commlib_pg)
     np.testing.assert_array_equal(a.numpy(), ref(5, seed=1).max(0))
     expected = ref(6, seed=2)[r].reshape(2, 3)
     expected[:, 1] = ref(6, seed=2).reshape(-1, 2, 3).max(0)[:, 1]
@@ -64,62 +102,66 @@ def test_all_reduce_coalesced(commlib_pg):
 
 
 @pytest.mark.mpi
-def test_broadcast_and_reduce_from_every_root(commlib_pg):
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast_and_reduce_from_every_root(commlib_pg, mode):
     r, n = dist.get_rank(), dist.get_world_size()
     for root in range(n):
         t = data(r, seed=root)
-        dist.broadcast(t, src=root, group=commlib_pg)
+        run(dist.broadcast, mode, t, src=root, group=commlib_pg)
         np.testing.assert_array_equal(t.numpy(), ref(seed=root)[root])
         t = data(r, seed=root)
-        dist.reduce(t, dst=root, op=dist.ReduceOp.MAX, group=commlib_pg)
+        run(dist.reduce, mode, t, dst=root, op=dist.ReduceOp.MAX, group=commlib_pg)
         expected = ref(seed=root).max(0) if r == root else ref(seed=root)[r]
         np.testing.assert_array_equal(t.numpy(), expected)
 
 
 @pytest.mark.mpi
-def test_all_gather_and_into_tensor(commlib_pg):
+@pytest.mark.parametrize("mode", MODES)
+def test_all_gather_and_into_tensor(commlib_pg, mode):
     r, n = dist.get_rank(), dist.get_world_size()
     outs = [torch.zeros(7, dtype=torch.float64) for _ in range(n)]
-    dist.all_gather(outs, data(r), group=commlib_pg)
+    run(dist.all_gather, mode, outs, data(r), group=commlib_pg)
     np.testing.assert_array_equal(torch.stack(outs).numpy(), ref())
     flat = torch.zeros(n * 7, dtype=torch.float64)
-    work = dist.all_gather_single(flat, data(r), async_op=True, group=commlib_pg)
-    work.get_future().wait()
+    run(dist.all_gather_single, mode, flat, data(r), group=commlib_pg)
     np.testing.assert_array_equal(flat.numpy(), ref().ravel())
     flat = torch.zeros(n, 7, dtype=torch.float64)
     with pytest.warns(FutureWarning):                # the older name, same method
-        dist.all_gather_into_tensor(flat, data(r), group=commlib_pg)
+        run(dist.all_gather_into_tensor, mode, flat, data(r), group=commlib_pg)
     np.testing.assert_array_equal(flat.numpy(), ref())
 
 
 @pytest.mark.mpi
-def test_reduce_scatter_list_and_tensor(commlib_pg):
+@pytest.mark.parametrize("mode", MODES)
+def test_reduce_scatter_list_and_tensor(commlib_pg, mode):
     r, n = dist.get_rank(), dist.get_world_size()
     full = ref(3 * n, seed=4)                      # (n ranks, n blocks of 3)
     mine = torch.from_numpy(full[r].copy())
     out = torch.zeros(3, dtype=torch.float64)
-    dist.reduce_scatter(out, list(mine.split(3)), group=commlib_pg)
+    run(dist.reduce_scatter, mode, out, list(mine.split(3)), group=commlib_pg)
     np.testing.assert_array_equal(out.numpy(), full.sum(0)[3 * r:3 * r + 3])
     out = torch.zeros(3, dtype=torch.float64)
-    dist.reduce_scatter_single(out, mine, op=dist.ReduceOp.MIN, group=commlib_pg)
+    run(dist.reduce_scatter_single, mode, out, mine, op=dist.ReduceOp.MIN, group=commlib_pg)
     np.testing.assert_array_equal(out.numpy(), full.min(0)[3 * r:3 * r + 3])
     out = torch.zeros(3, dtype=torch.float64)
     with pytest.warns(FutureWarning):                # the older name, same method
-        dist.reduce_scatter_tensor(out, mine, op=dist.ReduceOp.AVG, group=commlib_pg)
+        run(dist.reduce_scatter_tensor, mode, out, mine, op=dist.ReduceOp.AVG,
+            group=commlib_pg)
     np.testing.assert_array_equal(out.numpy(), full.mean(0)[3 * r:3 * r + 3])
 
 
 @pytest.mark.mpi
-def test_gather_and_scatter_every_root(commlib_pg):
+@pytest.mark.parametrize("mode", MODES)
+def test_gather_and_scatter_every_root(commlib_pg, mode):
     r, n = dist.get_rank(), dist.get_world_size()
     for root in range(n):
         outs = [torch.zeros(7, dtype=torch.float64) for _ in range(n)] if r == root else None
-        dist.gather(data(r, seed=root), outs, dst=root, group=commlib_pg)
+        run(dist.gather, mode, data(r, seed=root), outs, dst=root, group=commlib_pg)
         if r == root:
             np.testing.assert_array_equal(torch.stack(outs).numpy(), ref(seed=root))
         out = torch.zeros(7, dtype=torch.float64)
         pieces = [data(k, seed=10 + root) for k in range(n)] if r == root else None
-        dist.scatter(out, pieces, src=root, group=commlib_pg)
+        run(dist.scatter, mode, out, pieces, src=root, group=commlib_pg)
         np.testing.assert_array_equal(out.numpy(), ref(seed=10 + root)[r])
 
 
@@ -129,11 +171,12 @@ def rows(i: int, j: int) -> int:
 
 
 @pytest.mark.mpi
-def test_all_to_all_single_equal_and_uneven(commlib_pg):
+@pytest.mark.parametrize("mode", MODES)
+def test_all_to_all_single_equal_and_uneven(commlib_pg, mode):
     r, n = dist.get_rank(), dist.get_world_size()
     inputs = [data(i, 4 * n, seed=5).reshape(2 * n, 2) for i in range(n)]
     out = torch.zeros(2 * n, 2, dtype=torch.float64)
-    dist.all_to_all_single(out, inputs[r], group=commlib_pg)
+    run(dist.all_to_all_single, mode, out, inputs[r], group=commlib_pg)
     expected = torch.cat([inputs[i][2 * r:2 * r + 2] for i in range(n)])
     np.testing.assert_array_equal(out.numpy(), expected.numpy())
 
@@ -145,19 +188,19 @@ def test_all_to_all_single_equal_and_uneven(commlib_pg):
         return uneven[i][start:start + rows(i, j)]
 
     out = torch.zeros(sum(rows(i, r) for i in range(n)), 2, dtype=torch.float64)
-    work = dist.all_to_all_single(out, uneven[r], [rows(i, r) for i in range(n)],
-                                  [rows(r, j) for j in range(n)], async_op=True, group=commlib_pg)
-    work.wait()
+    run(dist.all_to_all_single, mode, out, uneven[r], [rows(i, r) for i in range(n)],
+        [rows(r, j) for j in range(n)], group=commlib_pg)
     expected = torch.cat([block(i, r) for i in range(n)])
     np.testing.assert_array_equal(out.numpy(), expected.numpy())
 
 
 @pytest.mark.mpi
-def test_all_to_all_lists_of_different_sizes(commlib_pg):
+@pytest.mark.parametrize("mode", MODES)
+def test_all_to_all_lists_of_different_sizes(commlib_pg, mode):
     r, n = dist.get_rank(), dist.get_world_size()
     sent = [[data(i, 1 + rows(i, j), seed=7 + j) for j in range(n)] for i in range(n)]
     outs = [torch.zeros(1 + rows(i, r), dtype=torch.float64) for i in range(n)]
-    dist.all_to_all(outs, sent[r], group=commlib_pg)
+    run(dist.all_to_all, mode, outs, sent[r], group=commlib_pg)
     for i in range(n):
         np.testing.assert_array_equal(outs[i].numpy(), sent[i][r].numpy())
 
@@ -208,6 +251,7 @@ def test_blocking_send_recv_and_any_source(commlib_pg):
 def test_barrier_and_objects(commlib_pg):
     r, n = dist.get_rank(), dist.get_world_size()
     dist.barrier(group=commlib_pg)
+    run(dist.barrier, "future", group=commlib_pg)
     objs = [None] * n
     dist.all_gather_object(objs, {"rank": r, "name": f"r{r}"}, group=commlib_pg)
     assert objs == [{"rank": k, "name": f"r{k}"} for k in range(n)]

@@ -131,5 +131,6 @@ def test_job_exits_cleanly_without_destroying_its_groups():
     code, seconds, out = run_mpi(2, [EXIT_PROGRAM], timeout=60, COMMLIB_TIMEOUT="30")
     assert code == 0, out
     assert out.count("finished") == 2, out
-    assert out.count("unwaited irecv at exit: [7.0, 7.0]") == 2, out
+    assert out.count("unwaited irecv at exit: [7.0, 7.0], unwaited all_reduce "
+                     "[2.0, 2.0, 2.0, 2.0]") == 2, out
     assert "cancelled" not in out, out

@@ -8,7 +8,8 @@ import torch
 
 def report() -> None:
     # Registered first, so it runs after commlib's own exit handlers.
-    print(f"rank {rank} unwaited irecv at exit: {late_buffer.tolist()}", flush=True)
+    print(f"rank {rank} unwaited irecv at exit: {late_buffer.tolist()}, unwaited all_reduce "
+          f"{never_waited.tolist()}", flush=True)
 
 
 atexit.register(report)
@@ -30,6 +31,8 @@ sent.get_future().wait()
 work.wait()
 fut.wait()
 assert t[0] == n and got[0] == left
+never_waited = torch.ones(4)
+dist.all_reduce(never_waited, async_op=True)     # completed by the progress thread
 late_buffer = torch.zeros(2)
 dist.irecv(late_buffer, left)                  # never waited on; handle dropped
 late = dist.isend(torch.full((2,), 7.0), right)   # never waited on

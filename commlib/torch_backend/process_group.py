@@ -1,25 +1,25 @@
 """``ProcessGroupCommlib``: a ``torch.distributed.ProcessGroup`` whose operations are
 commlib's MPI collectives on a :class:`commlib.Group`.
 
-Collectives run to completion in the calling thread and return a completed handle, also
-with ``async_op=True``: MPI progresses a request only inside MPI calls, so on CPU a
-non-blocking collective overlaps little without a progress thread, torch's DDP asks for
-the future right after starting each bucket, and a blocking call keeps ordering and
-errors simple (every rank calls collectives in the same order anyway). Point-to-point
-operations are non-blocking (:mod:`.p2p`). Tensors on CPU and CUDA devices are accepted
-(CUDA ones through commlib's staging or CUDA-aware path). Ranks (``rootRank``, ``src``,
-``dst``) are ranks in this group, as torch passes them.
+Collectives called with ``async_op=False`` run to completion in the calling thread (no
+thread hop on the latency-bound path) and return a completed handle. With ``async_op=True``
+and from torch's C++ callers (DDP's buckets, whose options default to asynchronous), they
+start as non-blocking MPI requests, in call order, and a progress thread completes them
+(:mod:`.progress`), so DDP's exchanges overlap its backward pass. Point-to-point
+operations are non-blocking requests the caller completes (:mod:`.p2p`). Tensors on CPU
+and CUDA devices are accepted (CUDA ones through commlib's staging or CUDA-aware path).
+Ranks (``rootRank``, ``src``, ``dst``) are ranks in this group, as torch passes them.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import primitives as P
 from ..primitives import Group
-from . import p2p
+from . import p2p, progress
 from .convert import check_count, check_list, reduce_op, unsupported, where
 from .work import CommlibWork, done
 
@@ -46,6 +46,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         super().__init__(rank, size)
         self.group = group
         self._rank = rank
+        self._background = progress.background()
         self._names = {"name": "", "desc": ""}
 
     # -- identity ----------------------------------------------------------------------
@@ -76,175 +77,212 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return (f"<ProcessGroupCommlib rank={self.rank()} size={self.size()} "
                 f"world ranks={list(self.group.ranks)}>")
 
+    # -- running one commlib operation -----------------------------------------------
+    def _launch(self, opts: Any, call: Callable[[bool], Any], result: list,
+                after: Callable[[Any], None] | None = None) -> Any:
+        """Run ``call(async_op)``, one commlib operation. With ``opts.asyncOp`` (torch's
+        C++ callers such as DDP, ``async_op=True``) it is started non-blocking and
+        completed by the progress thread (:mod:`.progress`); otherwise it runs to the end
+        here. ``after(value)`` gets the operation's return value once it is complete (to
+        copy results out); ``result`` is the handle's future value."""
+        if self._background and getattr(opts, "asyncOp", False):
+            return progress.submit(call(True), result, after)
+        value = call(False)
+        if after is not None:
+            after(value)
+        return done(result)
+
     # -- reductions --------------------------------------------------------------------
-    def allreduce(self, tensors: list, opts: Any = None) -> CommlibWork:
+    def allreduce(self, tensors: list, opts: Any = None) -> Any:
         """In place on every rank: ``all_reduce``."""
-        op = reduce_op(opts or dist.AllreduceOptions(), "all_reduce", self._rank)
+        opts = opts or dist.AllreduceOptions()
+        op = reduce_op(opts, "all_reduce", self._rank)
         tensors = _as_list(tensors)
+        if len(tensors) == 1:
+            t = tensors[0].detach()
+            return self._launch(opts, lambda a: P.allreduce(t, op, self.group, a), tensors)
         for t in tensors:
             P.allreduce(t.detach(), op, self.group)
         return done(tensors)
 
-    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> CommlibWork:
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
         """All tensors in one exchange per dtype and device (flattened, then copied back)."""
-        op = reduce_op(opts or dist.AllreduceCoalescedOptions(), "all_reduce_coalesced",
-                       self.rank())
+        opts = opts or dist.AllreduceCoalescedOptions()
+        op = reduce_op(opts, "all_reduce_coalesced", self._rank)
         kinds: dict[tuple, list] = {}
         for t in tensors:
             kinds.setdefault((t.dtype, t.device), []).append(t)
+        if len(kinds) == 1:
+            flat = _flat(tensors)
+            return self._launch(opts, lambda a: P.allreduce(flat, op, self.group, a), tensors,
+                                lambda _: _unflatten(flat, tensors))
         for same in kinds.values():
             flat = _flat(same)
             P.allreduce(flat, op, self.group)
             _unflatten(flat, same)
         return done(tensors)
 
-    def reduce(self, tensors: list, opts: Any = None) -> CommlibWork:
+    def reduce(self, tensors: list, opts: Any = None) -> Any:
         """Result in place on ``opts.rootRank``; other ranks' tensors unchanged."""
         opts = opts or dist.ReduceOptions()
-        op = reduce_op(opts, "reduce", self.rank())
-        for t in tensors:
-            P.reduce(t.detach(), opts.rootRank, op, self.group)
-        return done(tensors)
+        op = reduce_op(opts, "reduce", self._rank)
+        t = _one(tensors, "reduce", self._rank).detach()
+        return self._launch(opts, lambda a: P.reduce(t, opts.rootRank, op, self.group, a),
+                            list(tensors))
 
-    def reduce_scatter(self, outputs: list, input_lists: list, opts: Any = None) -> CommlibWork:
+    def reduce_scatter(self, outputs: list, input_lists: list, opts: Any = None) -> Any:
         """``outputs[0]`` = reduction over ranks of ``input_lists[0][rank]``."""
-        op = reduce_op(opts or dist.ReduceScatterOptions(), "reduce_scatter", self.rank())
-        for out, inputs in zip(outputs, input_lists):
-            inputs = check_list(inputs, self.size(), "input_list", "reduce_scatter",
-                                self.rank())
-            for t in inputs:
-                check_count(t, out.numel(), "every input", "reduce_scatter", self.rank())
-            P.reduce_scatter(_flat(inputs), op, self.group, out=out.detach())
-        return done(outputs)
+        opts = opts or dist.ReduceScatterOptions()
+        op = reduce_op(opts, "reduce_scatter", self._rank)
+        out = _one(outputs, "reduce_scatter", self._rank)
+        inputs = check_list(input_lists[0], self.size(), "input_list", "reduce_scatter",
+                            self._rank)
+        for t in inputs:
+            check_count(t, out.numel(), "every input", "reduce_scatter", self._rank)
+        flat, into = _flat(inputs), out.detach()
+        return self._launch(opts, lambda a: P.reduce_scatter(flat, op, self.group, a, into),
+                            list(outputs))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> CommlibWork:
-        """``reduce_scatter_tensor``: ``output`` gets block ``rank`` of the reduced
-        ``input`` (``size`` blocks of ``output.numel()`` elements)."""
-        op = reduce_op(opts or dist.ReduceScatterOptions(), "reduce_scatter_tensor",
-                       self.rank())
+                              opts: Any = None) -> Any:
+        """``reduce_scatter_single``/``reduce_scatter_tensor``: ``output`` gets block
+        ``rank`` of the reduced ``input`` (``size`` blocks of ``output.numel()``
+        elements)."""
+        opts = opts or dist.ReduceScatterOptions()
+        op = reduce_op(opts, "reduce_scatter_tensor", self._rank)
         check_count(input, output.numel() * self.size(), "input", "reduce_scatter_tensor",
-                    self.rank())
-        P.reduce_scatter(input.detach(), op, self.group, out=output.detach())
-        return done([output])
+                    self._rank)
+        inp, into = input.detach(), output.detach()
+        return self._launch(opts, lambda a: P.reduce_scatter(inp, op, self.group, a, into),
+                            [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
-                                        opts: Any = None) -> CommlibWork:
+                                        opts: Any = None) -> Any:
         for out, inp in zip(outputs, inputs):
-            self.reduce_scatter_single(out, inp, opts)
+            self.reduce_scatter_single(out, inp, opts).wait()
         return done(outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- data movement -----------------------------------------------------------------
-    def broadcast(self, tensors: list, opts: Any = None) -> CommlibWork:
+    def broadcast(self, tensors: list, opts: Any = None) -> Any:
         """Rank ``opts.rootRank``'s tensor into every rank's, in place."""
-        root = (opts or dist.BroadcastOptions()).rootRank
+        opts = opts or dist.BroadcastOptions()
+        root = opts.rootRank
         tensors = _as_list(tensors)
+        if len(tensors) == 1:
+            t = tensors[0].detach()
+            return self._launch(opts, lambda a: P.broadcast(t, root, self.group, a), tensors)
         for t in tensors:
             P.broadcast(t.detach(), root, self.group)
         return done(tensors)
 
-    def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> CommlibWork:
+    def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
         """``all_gather``: ``output_lists[0][r]`` = rank ``r``'s ``inputs[0]``."""
-        for outs, inp in zip(output_lists, inputs):
-            outs = check_list(outs, self.size(), "tensor_list", "all_gather", self.rank())
-            for o in outs:
-                check_count(o, inp.numel(), "every output", "all_gather", self.rank())
-            rows = P.allgather(inp.detach(), self.group)
-            _unflatten(rows.reshape(-1), outs)
-        return done([o for outs in output_lists for o in outs])
+        inp = _one(inputs, "all_gather", self._rank).detach()
+        outs = check_list(output_lists[0], self.size(), "tensor_list", "all_gather",
+                          self._rank)
+        for o in outs:
+            check_count(o, inp.numel(), "every output", "all_gather", self._rank)
+        return self._launch(opts, lambda a: P.allgather(inp, self.group, a), outs,
+                            lambda rows: _unflatten(rows.reshape(-1), outs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: Any = None) -> CommlibWork:
-        """``all_gather_into_tensor``: ``output`` = the inputs of ranks 0..size-1, one
-        after the other."""
+                          opts: Any = None) -> Any:
+        """``all_gather_single``/``all_gather_into_tensor``: ``output`` = the inputs of
+        ranks 0..size-1, one after the other."""
         check_count(output, input.numel() * self.size(), "output", "all_gather_into_tensor",
-                    self.rank())
-        P.allgather(input.detach(), self.group, out=output.detach())
-        return done([output])
+                    self._rank)
+        inp, into = input.detach(), output.detach()
+        return self._launch(opts, lambda a: P.allgather(inp, self.group, a, into), [output])
 
     _allgather_base = all_gather_single
 
-    def allgather_coalesced(self, output_lists: list, inputs: list,
-                            opts: Any = None) -> CommlibWork:
+    def allgather_coalesced(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
         for outs, inp in zip(output_lists, inputs):
-            self.allgather([outs], [inp], opts)
+            self.allgather([outs], [inp], opts).wait()
         return done([o for outs in output_lists for o in outs])
 
     def all_gather_single_coalesced(self, outputs: list, inputs: list,
-                                    opts: Any = None) -> CommlibWork:
+                                    opts: Any = None) -> Any:
         for out, inp in zip(outputs, inputs):
-            self.all_gather_single(out, inp, opts)
+            self.all_gather_single(out, inp, opts).wait()
         return done(outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def gather(self, output_lists: list, inputs: list, opts: Any = None) -> CommlibWork:
+    def gather(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
         """On ``opts.rootRank``: ``output_lists[0][r]`` = rank ``r``'s ``inputs[0]``."""
-        root = (opts or dist.GatherOptions()).rootRank
-        inp = inputs[0]
-        rows = P.gather(inp.detach(), root, self.group)
-        if self.rank() != root:
-            return done([])
-        outs = check_list(output_lists[0], self.size(), "gather_list", "gather", self.rank())
-        for o in outs:
-            check_count(o, inp.numel(), "every output", "gather", self.rank())
-        _unflatten(rows.reshape(-1), outs)
-        return done(outs)
+        opts = opts or dist.GatherOptions()
+        root = opts.rootRank
+        inp = _one(inputs, "gather", self._rank).detach()
+        outs: list = []
+        if self._rank == root:
+            outs = check_list(output_lists[0], self.size(), "gather_list", "gather",
+                              self._rank)
+            for o in outs:
+                check_count(o, inp.numel(), "every output", "gather", self._rank)
 
-    def scatter(self, outputs: list, input_lists: list, opts: Any = None) -> CommlibWork:
+        def copy_out(rows: Any) -> None:
+            if rows is not None:
+                _unflatten(rows.reshape(-1), outs)
+        return self._launch(opts, lambda a: P.gather(inp, root, self.group, a), outs,
+                            copy_out)
+
+    def scatter(self, outputs: list, input_lists: list, opts: Any = None) -> Any:
         """``outputs[0]`` = ``input_lists[0][rank]`` of rank ``opts.rootRank``."""
-        root = (opts or dist.ScatterOptions()).rootRank
-        out = outputs[0]
+        opts = opts or dist.ScatterOptions()
+        root = opts.rootRank
+        out = _one(outputs, "scatter", self._rank)
         data = None
-        if self.rank() == root:
+        if self._rank == root:
             inputs = check_list(input_lists[0], self.size(), "scatter_list", "scatter",
-                                self.rank())
+                                self._rank)
             for t in inputs:
-                check_count(t, out.numel(), "every input", "scatter", self.rank())
+                check_count(t, out.numel(), "every input", "scatter", self._rank)
             data = _flat(inputs)
-        P.scatter(out.detach(), data, root, self.group)
-        return done([out])
+        into = out.detach()
+        return self._launch(opts, lambda a: P.scatter(into, data, root, self.group, a),
+                            list(outputs))
 
-    def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> CommlibWork:
+    def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> Any:
         """``all_to_all``: ``outputs[i]`` = rank ``i``'s ``inputs[rank]`` (any sizes)."""
-        n, rank = self.size(), self.rank()
+        n, rank = self.size(), self._rank
         outputs = check_list(outputs, n, "output_tensor_list", "all_to_all", rank)
         inputs = check_list(inputs, n, "input_tensor_list", "all_to_all", rank)
         if len({t.dtype for t in outputs + inputs}) != 1:
             raise TypeError(f"{where('all_to_all', rank)}: all tensors must have one dtype")
-        got = P.alltoall_v(_flat(inputs), [t.numel() for t in inputs],
-                           [t.numel() for t in outputs], self.group)
-        _unflatten(got, outputs)
-        return done(outputs)
+        flat = _flat(inputs)
+        send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
+        return self._launch(opts, lambda a: P.alltoall_v(flat, send, recv, self.group, a),
+                            outputs, lambda got: _unflatten(got, outputs))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list, input_split_sizes: list,
-                          opts: Any = None) -> CommlibWork:
+                          opts: Any = None) -> Any:
         """Rows ``input_split_sizes[j]`` of ``input`` go to rank ``j``; ``output`` takes
         ``output_split_sizes[i]`` rows from rank ``i``. Empty split lists mean equal
         blocks of the leading dimension."""
-        n, rank = self.size(), self.rank()
+        n, rank = self.size(), self._rank
+        inp, into = input.detach(), output.detach()
         if not output_split_sizes and not input_split_sizes:
-            P.alltoall(input.detach(), self.group, out=output.detach())
-            return done([output])
+            return self._launch(opts, lambda a: P.alltoall(inp, self.group, a, into),
+                                [output])
         send = list(input_split_sizes) or _equal(input, n, "input", rank)
         recv = list(output_split_sizes) or _equal(output, n, "output", rank)
         if output.dim() == 0 or output.shape[0] != sum(recv):
             raise ValueError(f"{where('all_to_all_single', rank)}: output has shape "
                              f"{tuple(output.shape)}, but output_split_sizes add up to "
                              f"{sum(recv)} rows")
-        P.alltoall_v(input.detach(), send, recv, self.group, out=output.detach())
-        return done([output])
+        return self._launch(opts, lambda a: P.alltoall_v(inp, send, recv, self.group, a,
+                                                         into), [output])
 
     alltoall_base = all_to_all_single
 
-    def barrier(self, opts: Any = None) -> CommlibWork:
-        P.barrier(self.group)
-        return done([])
+    def barrier(self, opts: Any = None) -> Any:
+        return self._launch(opts, lambda a: P.barrier(self.group, a), [])
 
     # -- point to point ----------------------------------------------------------------
     def send(self, tensors: list, dstRank: int, tag: int = 0) -> CommlibWork:
@@ -282,6 +320,13 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
         raise unsupported("monitored_barrier", self.rank(), "commlib's watchdog "
                           "(COMMLIB_TIMEOUT) names a missing rank's pending operation")
+
+
+def _one(tensors: Any, op: str, rank: int) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"{where(op, rank)}: the commlib backend takes one tensor per rank "
+                         f"here, got {len(tensors)}")
+    return tensors[0]
 
 
 def _as_list(tensors: Any) -> list:
