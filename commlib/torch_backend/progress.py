@@ -97,14 +97,18 @@ class _Progress:
             if item is None:
                 return
             pending, work = item
+            error: BaseException | None = None
             try:
                 value = pending.wait()
                 if work._after is not None:
                     work._after(value)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                work._finish(exc)
-            else:
-                work._finish(None)
+                error = exc
+            try:
+                work._finish(error)
+            except BaseException as exc:  # noqa: BLE001 - never let the thread die
+                work._error = work._error or exc
+                work._done.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Finish the queued operations and stop the thread (at exit, before MPI
