@@ -1,8 +1,8 @@
 """Handles the backend returns to torch: ``torch.distributed.Work`` objects whose
 ``wait()`` and ``get_future()`` both complete the operation.
 
-Collectives run to completion before the call returns (see
-:mod:`commlib.torch_backend.process_group`), so their handles are born complete.
+Blocking collectives get handles born complete (:func:`done`); asynchronous ones get a
+:class:`commlib.torch_backend.progress.BackgroundWork`, completed by the progress thread.
 Point-to-point operations are real non-blocking MPI requests (so paired
 ``isend``/``irecv`` never deadlock): ``wait()`` completes them under commlib's watchdog,
 and ``get_future()`` does the same before it returns a completed future, because torch's
