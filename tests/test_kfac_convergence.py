@@ -10,7 +10,10 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 import commlib  # noqa: E402
+from commlib.algorithms.kfac import DKFAC, DPKFAC  # noqa: E402
 from models import SmallCNN  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
@@ -20,11 +23,19 @@ KFAC = ["d_kfac", "dp_kfac"]
 
 
 def train(model, algorithm, lr, steps, batch_fn, eval_fn, **hp):
-    """``steps`` of SGD (momentum 0.9) on this rank's shards; returns ``eval_fn(model)``."""
+    """``steps`` of SGD (momentum 0.9) on this rank's shards (buckets small enough that
+    the gradients span several); returns ``eval_fn(model)`` of this rank's replica, after
+    checking that every rank holds bitwise the same replica (what every algorithm here
+    promises; a variant that does not communicate, or communicates the wrong thing, fails
+    here)."""
     rank, n = commlib.get_rank(), commlib.get_world_size()
-    if algorithm != "gradient_allreduce":
+    if algorithm != "gradient_allreduce" and not isinstance(algorithm, type):
         hp["lr"] = lr
-    ddp = commlib.DistributedDataParallel(model, algorithm=algorithm, **hp)
+    if isinstance(algorithm, type):
+        algorithm = algorithm(lr=lr, **hp)
+        hp = {}
+    ddp = commlib.DistributedDataParallel(model, algorithm=algorithm, bucket_cap_mb=0.001,
+                                          **hp)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     try:
         for step in range(steps):
@@ -32,10 +43,25 @@ def train(model, algorithm, lr, steps, batch_fn, eval_fn, **hp):
             opt.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
             opt.step()
+        mine = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).numpy()
+        assert all(np.array_equal(r, mine) for r in commlib.allgather(mine)), \
+            f"{algorithm}: the ranks' replicas differ"
         with torch.no_grad():
             return eval_fn(ddp.module)
     finally:
         ddp.close()
+
+
+class SilentDKFAC(DKFAC):
+    """Negative control: K-FAC whose gradients are never averaged."""
+
+    def on_bucket_ready(self, ctx, bucket):
+        return None
+
+
+class SilentDPKFAC(DPKFAC):
+    def on_bucket_ready(self, ctx, bucket):
+        return None
 
 
 # -- badly scaled inputs: SGD cannot move the weights of the small features -------------
@@ -68,6 +94,10 @@ def test_kfac_beats_sgd_on_badly_scaled_inputs():
     for algorithm in KFAC:
         loss = run_scaled(algorithm)
         assert loss < 0.6 * sgd, f"{algorithm}: loss {loss:.3f}, SGD {sgd:.3f}"
+    if commlib.get_world_size() > 1:  # negative controls: rejected by the replica check
+        for control in (SilentDKFAC, SilentDPKFAC):
+            with pytest.raises(AssertionError, match="replicas differ"):
+                run_scaled(control)
 
 
 # -- the example CNN on scikit-learn's 8x8 digits ----------------------------------------

@@ -18,6 +18,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import commlib  # noqa: E402
+from commlib.algorithms.kfac import DKFAC, DPKFAC  # noqa: E402
+from commlib.algorithms.kfac.factors import update_running  # noqa: E402
 from models import MLP, SmallCNN  # noqa: E402
 from test_kfac_math import (ReferenceKFAC, grad_matrix, kfac_modules,  # noqa: E402
                             reference_factors, set_grad_matrix)
@@ -102,17 +104,21 @@ def reference_step(ref, ref_kfac, step, shards, owners):
         set_grad_matrix(mods[k], v)
 
 
-def train_against_reference(algorithm, name, steps=4, **hp):
+def train_against_reference(algorithm, name, steps=4, cls=None, **hp):
     """Train the same model with DDP (this rank's shard) and with the reference (all
     shards); after every backward and every step compare gradients and parameters with the
-    reference and across ranks. Returns the DDP wrapper (closed) and the reference."""
+    reference and across ranks. Buckets are small: gradients and d_kfac's factors span
+    several. ``cls``: an algorithm class to use instead of the registered one (negative
+    controls). Returns the DDP wrapper (closed) and the reference."""
     rank, n = world()
     hp.setdefault("lr", LR)
     # Shards of 4 examples give singular factors; with the default damping (1e-3) unclipped
     # K-FAC steps are so large that the trajectory is chaotic and rounding differences
     # between two exact implementations grow past 1e-8 within a few steps.
     hp.setdefault("damping", 0.01)
-    ddp = commlib.DistributedDataParallel(build(name), algorithm=algorithm, **hp)
+    algo = commlib.algorithms.get(algorithm, **hp) if cls is None else cls(**hp)
+    ddp = commlib.DistributedDataParallel(build(name), algorithm=algo, bucket_cap_mb=0.001)
+    assert len(ddp._ctx.buckets) >= 3
     ref, ref_kfac = build(name), ReferenceKFAC(**hp)
     owners = ddp.algorithm.owners() if algorithm == "dp_kfac" else None
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
@@ -146,6 +152,43 @@ def train_against_reference(algorithm, name, steps=4, **hp):
 def test_parity_with_single_process_kfac(algorithm, name):
     _, _, scales = train_against_reference(algorithm, name, kl_clip=None)
     assert scales == [1.0] * len(scales)
+
+
+class _SilentKFAC:
+    """Negative controls: K-FAC whose gradients are never averaged (each rank
+    preconditions its own), and d_kfac whose factors are never averaged."""
+
+    @staticmethod
+    def gradients(base):
+        class Silent(base):
+            def on_bucket_ready(self, ctx, bucket):
+                return None
+        return Silent
+
+    @staticmethod
+    def local_factors():
+        class LocalFactors(DKFAC):
+            def _update_factors(self, ctx, first):
+                for bucket in self._buckets:
+                    for name, view in zip(bucket.names, bucket.views):
+                        index, which = name.split(".")
+                        fresh = self._capture.batch_factor(self._layers[int(index)], which)
+                        update_running(view, fresh, self.factor_decay, first)
+        return LocalFactors
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["d_kfac", "dp_kfac"])
+def test_parity_check_rejects_broken_variants(algorithm):
+    """The parity check above fails for K-FAC that never averages gradients, and for
+    d_kfac that never averages its factors (both would still train)."""
+    base = DKFAC if algorithm == "d_kfac" else DPKFAC
+    controls = [_SilentKFAC.gradients(base)]
+    if algorithm == "d_kfac":
+        controls.append(_SilentKFAC.local_factors())
+    for cls in controls:
+        with pytest.raises(AssertionError):
+            train_against_reference(algorithm, "mlp", kl_clip=None, cls=cls)
 
 
 @pytest.mark.mpi

@@ -370,7 +370,7 @@ def test_documented_defaults(name):
     algo = get(name)
     assert (algo.damping, algo.factor_decay, algo.factor_update_steps, algo.inv_update_steps,
             algo.kl_clip, algo.lr, algo.assignment, algo.inverse) == \
-        (1e-3, 0.95, 1, 1, 1e-3, 0.1, "greedy", "eigen")
+        (1e-3, 0.95, 1, 1, 1e-3, None, "greedy", "eigen")
     assert algo.average and algo.name == name
 
 

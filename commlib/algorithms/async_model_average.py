@@ -1,6 +1,6 @@
 """``async_model_average``: weights averaged in the background while training continues.
 
-For ``warmup_steps`` optimizer steps the algorithm behaves as ``gradient_allreduce``; then
+For ``warmup_steps`` iterations the algorithm behaves as ``gradient_allreduce``; then
 gradients are no longer exchanged and a :class:`~commlib.primitives.BackgroundAverager`
 averages the weights every ``sync_interval_ms`` on its own communicator. A round snapshots
 the weights, averages the snapshot over all ranks and queues ``average - snapshot``; the
@@ -13,13 +13,14 @@ rank) starts it again.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from ..primitives import allreduce
 from ..primitives.background import BackgroundAverager
 from ..reduce_ops import ReduceOp
+from . import state
 from .base import GRADIENTS, WEIGHTS, Algorithm, Context
 from .buckets import Bucket, build, pack
 from .registry import register
@@ -27,6 +28,15 @@ from .registry import register
 
 @register("async_model_average")
 class AsyncModelAverage(Algorithm):
+    """``sync_interval_ms``: pause between background rounds. ``warmup_steps``: iterations
+    of synchronous gradient averaging first (0: background averaging from the start).
+    State (:meth:`state_dict`): the correction queued for the next forward (per rank);
+    the phase follows from the iteration count. Rounds in flight when the state is taken
+    are not part of it, so a resumed run restores exactly what was saved but, as any run
+    of this algorithm, depends on the timing of the background rounds."""
+
+    per_rank_state = True
+
     def __init__(self, sync_interval_ms: float = 50.0, warmup_steps: int = 0) -> None:
         if sync_interval_ms < 0 or warmup_steps < 0:
             raise ValueError(f"async_model_average: sync_interval_ms and warmup_steps must be "
@@ -105,6 +115,27 @@ class AsyncModelAverage(Algorithm):
     def resume(self) -> None:
         """Start background averaging again (call on every rank)."""
         if self._averager is not None:
+            self._averager.start()
+
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        if self._averager is None:
+            return {"queued": self._queued}
+        with self._averager.lock:  # a round may be applying its correction
+            return {"queued": None if self._queued is None else self._queued.clone()}
+
+    def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
+        state.check_keys(where, saved, ("queued",))
+        queued = saved["queued"]
+        params = [p for _, p in ctx.named_parameters if p.requires_grad]
+        if queued is not None:
+            state.check_tensor(where, "the queued correction", queued,
+                               (sum(p.numel() for p in params),), params[0].dtype)
+            queued = state.restore(queued, params[0].device)
+        running = self._averager is not None and self._averager.running
+        if running:  # no round snapshotted before the load may apply after it
+            self._averager.stop()
+        self._queued = queued
+        if running:
             self._averager.start()
 
     def teardown(self, ctx: Context) -> None:

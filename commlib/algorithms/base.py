@@ -28,6 +28,15 @@ Lifecycle, on every rank, in this order::
                                     optimizers); rank-local, they must never communicate
     teardown(ctx)                   when the wrapper is closed
 
+**Saving and resuming.** :meth:`Algorithm.state_dict` returns everything the algorithm
+needs to continue exactly where it stopped (the iteration count and whether the last
+iteration's ``after_iteration`` is still due, which live in the context, plus what the
+subclass keeps: error-feedback residuals, momenta, replicas, factors), as CPU tensors that
+``torch.save`` writes; :meth:`Algorithm.load_state_dict` restores it into an algorithm of
+the same name, wrapped around the same model with the same buckets, and raises
+``ValueError`` naming what differs otherwise. Subclasses override :meth:`Algorithm.save_state`
+and :meth:`Algorithm.load_state`.
+
 **Iterations.** An iteration ends with a backward pass outside ``no_sync()`` (whatever the
 algorithm exchanges); ``ctx.step`` counts them. Every rank makes the same backward passes,
 so every schedule keyed on ``ctx.step`` (warm-ups, communication intervals, peer
@@ -44,10 +53,11 @@ thread then drives to completion.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
+from . import state as saved_state
 from .buckets import Bucket, build
 
 GRADIENTS = "gradients"
@@ -87,6 +97,15 @@ class Algorithm:
     name: ClassVar[str] = "base"
     #: what ``tensors`` returns by default and what buckets hold
     exchanges: ClassVar[str] = GRADIENTS
+    #: the saved state differs between ranks (residuals, replicas, owned layers): it must
+    #: be loaded by the rank, and at the world size, that saved it
+    per_rank_state: ClassVar[bool] = False
+    _ctx: "Context | None" = None
+
+    def attach(self, ctx: Context) -> None:
+        """Called by the wrapper before :meth:`setup`: the context that
+        :meth:`state_dict` and :meth:`load_state_dict` read and write."""
+        self._ctx = ctx
 
     def setup(self, ctx: Context) -> None:
         """Once, after the wrapper broadcast parameters and buffers from rank 0."""
@@ -132,6 +151,55 @@ class Algorithm:
 
     def teardown(self, ctx: Context) -> None:
         """Stop background work; nothing of the algorithm may run afterwards."""
+
+    # -- saving and resuming -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, to be saved with the model's and the optimizer's: a new dict
+        whose tensors are CPU copies (``torch.save`` writes it; later training does not
+        change it). Call it between iterations, e.g. after ``optimizer.step()``. Keys:
+        ``algorithm`` (name), ``rank``, ``world_size``, ``step`` (iterations completed),
+        ``iteration_pending`` and ``state`` (what :meth:`save_state` returns)."""
+        ctx = self._context("state_dict")
+        return {"algorithm": self.name, "rank": ctx.rank, "world_size": ctx.world_size,
+                "step": ctx.step, "iteration_pending": ctx.iteration_pending,
+                "state": saved_state.to_cpu(self.save_state(ctx))}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` on every rank (each rank its own when
+        :attr:`per_rank_state`), before training resumes; training then continues exactly
+        as it would have from where the state was taken. ``ValueError`` naming what
+        differs (algorithm, rank, world size, buckets, shapes) leaves the algorithm as it
+        was."""
+        ctx = self._context("load_state_dict")
+        where = f"{self.name}.load_state_dict (rank {ctx.rank})"
+        saved_state.check_keys(where, state, ("algorithm", "rank", "world_size", "step",
+                                              "iteration_pending", "state"))
+        saved_state.check_same(where, "the algorithm", state["algorithm"], self.name)
+        if self.per_rank_state:
+            saved_state.check_same(where, "the world size", state["world_size"],
+                                   ctx.world_size)
+            saved_state.check_same(where, "the rank (each rank loads the state it saved)",
+                                   state["rank"], ctx.rank)
+        self.load_state(ctx, state["state"], where)
+        ctx.step = int(state["step"])
+        ctx.iteration_pending = bool(state["iteration_pending"])
+
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        """What this algorithm keeps besides the context's counters (default: nothing).
+        Tensors may be live buffers: :meth:`state_dict` copies them to the CPU."""
+        return {}
+
+    def load_state(self, ctx: Context, state: Mapping[str, Any], where: str) -> None:
+        """Restore what :meth:`save_state` returned. Check everything first and raise
+        ``ValueError`` (prefixed with ``where``) before changing anything."""
+        saved_state.check_same(where, "the saved algorithm state", dict(state), {})
+
+    def _context(self, method: str) -> Context:
+        if self._ctx is None:
+            raise RuntimeError(f"{self.name}.{method}: the algorithm is not attached to a "
+                               f"DistributedDataParallel yet (its state exists once the "
+                               f"wrapper is constructed)")
+        return self._ctx
 
     def __repr__(self) -> str:
         config = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

@@ -8,6 +8,7 @@ compression (two compressions per exchange). Every rank ends with identical grad
 from __future__ import annotations
 
 from ..primitives import compressed_allreduce
+from ..primitives.compressed import release_workspaces
 from ..reduce_ops import ReduceOp
 from .base import Algorithm, Context
 from .buckets import Bucket
@@ -30,3 +31,6 @@ class ByteGrad(Algorithm):
         op = ReduceOp.AVG if self.average else ReduceOp.SUM
         compressed_allreduce(bucket.flat, op=op, group=ctx.group, method="minmax_uint8",
                              chunk_size=self.chunk_size, hierarchical=self.hierarchical)
+
+    def teardown(self, ctx: Context) -> None:
+        ctx.run(release_workspaces)  # cached on the thread that ran the exchanges

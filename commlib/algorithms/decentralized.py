@@ -12,11 +12,12 @@ them equal, e.g. before evaluation.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from ..primitives import PEER_MODES, peer_average
+from . import state
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import pack, unpack
 from .registry import register
@@ -27,7 +28,7 @@ class Decentralized(Algorithm):
     """``peer_selection_mode``: ``"all"`` (average with every rank) or ``"shift_one"`` (one
     peer per step, pairs disjoint, the peer changing every step; see
     :func:`commlib.primitives.shift_one_peer`). ``communication_interval``: communicate
-    every that many optimizer steps (local steps in between)."""
+    every that many iterations (local steps in between)."""
 
     exchanges = WEIGHTS
 
@@ -75,3 +76,17 @@ class Decentralized(Algorithm):
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        """The iteration whose weights were last snapshotted (a second forward of the same
+        iteration, e.g. under ``no_sync``, does not exchange again). The weights are the
+        model's own."""
+        if self._pending is not None:
+            raise RuntimeError(f"decentralized.state_dict (rank {ctx.rank}): an exchange is in "
+                               f"flight; take the state between iterations (after "
+                               f"optimizer.step())")
+        return {"snapshot_step": self._snapshot_step}
+
+    def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
+        state.check_keys(where, saved, ("snapshot_step",))
+        self._snapshot_step = int(saved["snapshot_step"])

@@ -1,5 +1,5 @@
 """``local_sgd``: the communication-delay relaxation. Every rank takes ``sync_every``
-optimizer steps on its own data, then the models are averaged (an allreduce of the weights);
+iterations on its own data, then the models are averaged (an allreduce of the weights);
 weight bytes equal gradient bytes, so communication is about ``1/sync_every`` of
 ``gradient_allreduce``'s."""
 from __future__ import annotations

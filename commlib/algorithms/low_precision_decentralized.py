@@ -19,19 +19,27 @@ ends add the same decompressed bytes.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from ..primitives import compressed_ring_exchange
+from . import state
 from .base import WEIGHTS, Algorithm, Context
-from .buckets import pack, unpack
+from .buckets import Bucket, pack, unpack
 from .registry import register
+
+REPLICAS = ("pub", "left", "right")
 
 
 @register("low_precision_decentralized")
 class LowPrecisionDecentralized(Algorithm):
+    """``communication_interval``: gossip after every that many iterations.
+    ``chunk_size``: elements per quantization chunk. State (:meth:`state_dict`): the
+    replicas ``x_pub``, ``x_left``, ``x_right`` of every bucket (they differ per rank)."""
+
     exchanges = WEIGHTS
+    per_rank_state = True
 
     def __init__(self, communication_interval: int = 1, chunk_size: int = 2048) -> None:
         if int(communication_interval) < 1:
@@ -41,18 +49,17 @@ class LowPrecisionDecentralized(Algorithm):
         self.chunk_size = int(chunk_size)
         self._replicas: list[dict[str, torch.Tensor]] = []
 
-    def setup(self, ctx: Context) -> None:
-        self._replicas = []
-
-    def _init_replicas(self, ctx: Context) -> None:
-        # Weights are equal on every rank right after construction, so every replica of
-        # every rank starts from the same values.
-        self._replicas = [{k: pack(b).clone() for k in ("pub", "left", "right")}
-                          for b in ctx.buckets]
+    def make_buckets(self, ctx: Context) -> list[Bucket]:
+        """Buckets of weights, and the replicas: made at construction, right after the
+        parameters were broadcast from rank 0 and before any optimizer step, so every
+        replica of every rank starts from the same weights and each rank's copy of a
+        neighbour equals that neighbour's ``x_pub`` from the start."""
+        buckets = super().make_buckets(ctx)
+        if not self._replicas:
+            self._replicas = [{k: pack(b).clone() for k in REPLICAS} for b in buckets]
+        return buckets
 
     def after_iteration(self, ctx: Context) -> None:
-        if not self._replicas:
-            self._init_replicas(ctx)
         if ctx.step % self.communication_interval == 0 and ctx.world_size > 1:
             ctx.run(self._exchange, ctx)
 
@@ -69,3 +76,17 @@ class LowPrecisionDecentralized(Algorithm):
             rep["right"] += from_right
             bucket.flat.copy_(rep["pub"])
             unpack(bucket)
+
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        return {"buckets": state.bucket_layout(ctx.buckets), "replicas": self._replicas}
+
+    def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
+        state.check_keys(where, saved, ("buckets", "replicas"))
+        state.check_layout(where, saved["buckets"], ctx.buckets)
+        for k, (rep, mine) in enumerate(zip(saved["replicas"], self._replicas)):
+            state.check_keys(f"{where}: bucket {k}", rep, REPLICAS)
+            for key in REPLICAS:
+                state.check_tensor(where, f"replica {key!r} of bucket {k}", rep[key], mine[key])
+        for rep, mine in zip(saved["replicas"], self._replicas):
+            for key in REPLICAS:
+                state.copy_into(mine[key], rep[key])

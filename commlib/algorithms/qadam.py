@@ -21,88 +21,69 @@ the chunk's error, which division by their tiny ``sqrt(v)`` turns into huge step
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import weakref
+from typing import Any, Mapping
 
 import torch
 
 from ..primitives import CompressionState, allreduce, compressed_allreduce
+from ..primitives.compressed import release_workspaces
 from ..reduce_ops import ReduceOp
+from . import state
 from .base import Algorithm, Context
 from .buckets import Bucket
+from .qadam_optimizer import QAdamOptimizer
 from .registry import register
 
+__all__ = ["QAdam", "QAdamOptimizer"]
 
-class QAdamOptimizer(torch.optim.Optimizer):
-    """Adam that freezes its variance when ``qadam`` ends the warm-up; afterwards the
-    momentum is maintained (and averaged) by the algorithm, not by the optimizer.
 
-    ``variance_floor``: when the variance is frozen, each element's bias-corrected variance
-    is raised to at least ``variance_floor`` times the mean of its tensor. An element that
-    saw no gradient during the warm-up (a pixel that is always zero in those batches) would
-    otherwise be divided by ``eps`` alone the first time it gets one.
-    """
+class _Run:
+    """Consecutive tensors of a bucket in one param group: the elements ``start:end`` of
+    its flat buffer are updated with that group's ``beta1`` and ``weight_decay``."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, variance_floor: float = 1e-4) -> None:
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      variance_floor=variance_floor))
-        self.compressing = False
+    __slots__ = ("start", "end", "beta1", "weight_decay", "params")
 
-    @torch.no_grad()
-    def freeze(self) -> None:
-        """End of warm-up: fix ``state["denom"] = sqrt(max(v_hat, floor)) + eps`` per
-        parameter; steps from now on use the momentum the algorithm maintains."""
-        self.compressing = True
-        for group in self.param_groups:
-            beta2 = group["betas"][1]
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state.update(step=0, frozen_step=0, exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
-                v_hat = state["exp_avg_sq"] / (1 - beta2 ** max(state["frozen_step"], 1))
-                floor = group["variance_floor"] * v_hat.mean()
-                state["denom"] = v_hat.clamp_(min=float(floor)).sqrt_().add_(group["eps"])
+    def __init__(self, start: int, end: int, beta1: float, weight_decay: float,
+                 params: list[torch.Tensor]) -> None:
+        self.start, self.end = start, end
+        self.beta1, self.weight_decay, self.params = beta1, weight_decay, params
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["frozen_step"] = 0
-                state["step"] += 1
-                if not self.compressing:
-                    g = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] \
-                        else p.grad
-                    state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    state["frozen_step"] = state["step"]
-                m_hat = 1 - beta1 ** state["step"]
-                if self.compressing:
-                    denom = state["denom"]
-                else:
-                    v_hat = 1 - beta2 ** state["frozen_step"]
-                    denom = (state["exp_avg_sq"] / v_hat).sqrt_().add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / m_hat)
-        return loss
+
+def _runs(ctx: Context, bucket: Bucket, optimizer: QAdamOptimizer) -> list[_Run]:
+    """The :class:`_Run` s of ``bucket`` under ``optimizer``'s param groups."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    names = dict((id(p), n) for n, p in ctx.named_parameters)
+    runs: list[_Run] = []
+    for p, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels):
+        group = group_of.get(id(p))
+        if group is None:
+            raise ValueError(f"qadam (rank {ctx.rank}): parameter {names.get(id(p), '?')!r} "
+                             f"is in no param group of the QAdamOptimizer; give it every "
+                             f"parameter of the wrapped module that requires grad")
+        beta1, wd = float(group["betas"][0]), float(group["weight_decay"])
+        last = runs[-1] if runs else None
+        if last is not None and last.end == offset and (last.beta1, last.weight_decay) == \
+                (beta1, wd):
+            last.end += numel
+            last.params.append(p)
+        else:
+            runs.append(_Run(offset, offset + numel, beta1, wd, [p]))
+    return runs
 
 
 @register("qadam")
 class QAdam(Algorithm):
-    """``warmup_steps``: full-precision steps before compression starts.
+    """``warmup_steps``: full-precision iterations before compression starts (0: from the
+    first one; the optimizer then has no variance to freeze, see :class:`QAdamOptimizer`).
     ``compression``: ``"sign1"`` (error feedback) or ``"minmax_uint8"``.
     ``hierarchical``: node-local full-precision reduce first. ``chunk_size``: elements per
     compression chunk. ``max_update``: bound on ``|u|`` (Adam's normalized step) before
-    compression."""
+    compression. Each parameter's momentum uses the ``betas[0]`` and ``weight_decay`` of
+    its own param group. State (:meth:`state_dict`): the phase, the momentum, the frozen
+    denominators and this rank's error-feedback residuals, per bucket."""
+
+    per_rank_state = True
 
     def __init__(self, warmup_steps: int = 100, compression: str = "sign1",
                  hierarchical: bool = False, chunk_size: int = 2048,
@@ -116,18 +97,34 @@ class QAdam(Algorithm):
         self.chunk_size = int(chunk_size)
         self.max_update = float(max_update)
         self.compressing = False
-        self._optimizer: QAdamOptimizer | None = None
+        self._seen: QAdamOptimizer | None = None   # the optimizer seen stepping
+        self._bound: QAdamOptimizer | None = None  # the one whose state views our buffers
+        self._loaded = False  # buffers hold a loaded state not yet bound to the optimizer
         self._momentum: list[torch.Tensor] = []
         self._denom: list[torch.Tensor] = []
         self._states: list[CompressionState] = []
+        self._runs: list[list[_Run]] = []
+
+    def before_forward(self, ctx: Context) -> None:
+        if self.compressing and self._bound is None:
+            optimizer = self._seen or QAdamOptimizer.holding(p for _, p in ctx.named_parameters)
+            if optimizer is None:
+                raise TypeError(f"qadam (rank {ctx.rank}): compression starts at iteration "
+                                f"{ctx.step} and needs the commlib.algorithms.qadam."
+                                f"QAdamOptimizer of the wrapped module's parameters; create it "
+                                f"before the first forward")
+            self._bind(ctx, optimizer)
 
     def before_optimizer_step(self, ctx: Context, optimizer: Any) -> None:
         if not isinstance(optimizer, QAdamOptimizer):
             raise TypeError(f"qadam: the optimizer must be commlib.algorithms.qadam."
                             f"QAdamOptimizer, got {type(optimizer).__name__}")
-        self._optimizer = optimizer
-        if self.compressing and not optimizer.compressing:
-            self._bind(ctx, optimizer)
+        self._seen = optimizer
+        if self.compressing:
+            if optimizer is not self._bound:
+                self._bind(ctx, optimizer)
+            else:  # hyperparameters may have changed (a scheduler): next backward's
+                self._runs = [_runs(ctx, b, optimizer) for b in ctx.buckets]
 
     def need_reset(self, ctx: Context) -> bool:
         return not self.compressing and ctx.step >= self.warmup_steps
@@ -139,39 +136,55 @@ class QAdam(Algorithm):
         buckets = super().make_buckets(ctx)
         self._momentum = [torch.zeros_like(b.flat) for b in buckets]
         self._states = [CompressionState() for _ in buckets]
-        if self.compressing and self._optimizer is not None:
-            self._bind(ctx, self._optimizer, buckets)
+        self._bound = None  # new buffers: bound before the next backward (before_forward)
         return buckets
 
-    def _bind(self, ctx: Context, optimizer: QAdamOptimizer,
-              buckets: list[Bucket] | None = None) -> None:
-        """Freeze the optimizer and move its momentum and frozen denominators into the
-        bucket-shaped buffers the exchange works on (the optimizer keeps views of them)."""
+    def _bind(self, ctx: Context, optimizer: QAdamOptimizer) -> None:
+        """Move the optimizer's momentum and frozen denominators into the bucket-shaped
+        buffers the exchange works on; the optimizer keeps views of them. At the end of
+        the warm-up the optimizer is frozen and its values are copied in; after
+        :meth:`load_state_dict` the loaded buffers are kept and the (loaded) optimizer
+        adopts them."""
+        adopt = self._loaded and optimizer.compressing
+        if self._loaded and not optimizer.compressing:
+            raise ValueError(f"qadam (rank {ctx.rank}): the loaded algorithm state is past "
+                             f"the warm-up but the QAdamOptimizer's is not; load the "
+                             f"optimizer's state_dict saved with it too")
         if not optimizer.compressing:
             optimizer.freeze()
-        self._denom = []
-        for bucket, flat in zip(buckets or ctx.buckets, self._momentum):
-            denom = torch.empty_like(flat)
+        if not adopt:
+            self._denom = [torch.empty_like(flat) for flat in self._momentum]
+        names = dict((id(p), n) for n, p in ctx.named_parameters)
+        for bucket, flat, denom in zip(ctx.buckets, self._momentum, self._denom):
             for p, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels):
-                state = optimizer.state[p]
+                opt_state = optimizer.state[p]
+                if "denom" not in opt_state:
+                    raise ValueError(f"qadam (rank {ctx.rank}): parameter "
+                                     f"{names.get(id(p), '?')!r} is not in the QAdamOptimizer")
                 for buffer, key in ((flat, "exp_avg"), (denom, "denom")):
                     view = buffer[offset:offset + numel].view_as(p)
-                    view.copy_(state[key])
-                    state[key] = view
-            self._denom.append(denom)
+                    if not adopt:
+                        view.copy_(opt_state[key])
+                    opt_state[key] = view
+        self._runs = [_runs(ctx, b, optimizer) for b in ctx.buckets]
+        self._bound, self._seen, self._loaded = optimizer, optimizer, False
+        optimizer._binder = weakref.ref(self)
+
+    def optimizer_loaded(self, optimizer: QAdamOptimizer) -> None:
+        """Called by :meth:`QAdamOptimizer.load_state_dict` of the bound optimizer: its
+        loaded values go into the buffers, which it views again."""
+        if optimizer is not self._bound:
+            return
+        self._bound, self._loaded = None, False
+        if self.compressing and optimizer.compressing and self._ctx is not None:
+            self._bind(self._ctx, optimizer)
 
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
         if not self.compressing:
             return allreduce(bucket.flat, op=ReduceOp.AVG, group=ctx.group, async_op=True)
-        group = self._optimizer.param_groups[0] if self._optimizer else {"betas": (0.9, 0.999),
-                                                                          "weight_decay": 0.0}
-        beta1, wd = group["betas"][0], group["weight_decay"]
         m = self._momentum[bucket.index]
         with torch.no_grad():
-            g = bucket.flat
-            if wd:
-                g = g + wd * torch.cat([p.detach().reshape(-1) for p in bucket.tensors])
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            self._update_momentum(bucket, m, m)
             # Bounded like Adam's own steps, so one outlier cannot stretch the range of a
             # compression chunk and drown its neighbours in quantization error.
             u = m.div_(self._denom[bucket.index]).clamp_(-self.max_update, self.max_update)
@@ -181,3 +194,55 @@ class QAdam(Algorithm):
         with torch.no_grad():
             u.mul_(self._denom[bucket.index])
         return None
+
+    def teardown(self, ctx: Context) -> None:
+        ctx.run(release_workspaces)  # cached on the thread that ran the exchanges
+
+    def _update_momentum(self, bucket: Bucket, m: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = beta1 m + (1 - beta1) (g + weight_decay p)`` over the bucket's flat
+        buffers, each element with the ``beta1`` and ``weight_decay`` of its parameter's
+        param group (``out`` may be ``m``)."""
+        g = bucket.flat
+        for run in self._runs[bucket.index]:
+            a, b = run.start, run.end
+            grad = g[a:b]
+            if run.weight_decay:
+                grad = grad + run.weight_decay * torch.cat([p.detach().reshape(-1)
+                                                            for p in run.params])
+            torch.mul(m[a:b], run.beta1, out=out[a:b]).add_(grad, alpha=1 - run.beta1)
+
+    # -- saving and resuming -------------------------------------------------------------
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        """The phase, and per bucket the momentum, the frozen denominators (once
+        compressing) and the error-feedback residuals (``None`` until first used)."""
+        return {"compressing": self.compressing, "buckets": state.bucket_layout(ctx.buckets),
+                "momentum": list(self._momentum),
+                "denom": list(self._denom) if self.compressing else [],
+                "residuals": [{"worker": s.worker, "server": s.server} for s in self._states]}
+
+    def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
+        state.check_keys(where, saved, ("compressing", "buckets", "momentum", "denom",
+                                        "residuals"))
+        state.check_layout(where, saved["buckets"], ctx.buckets)
+        compressing = bool(saved["compressing"])
+        for k, flat in enumerate(self._momentum):
+            state.check_tensor(where, f"momentum of bucket {k}", saved["momentum"][k], flat)
+            if compressing:
+                state.check_tensor(where, f"denominators of bucket {k}", saved["denom"][k], flat)
+            for key, value in saved["residuals"][k].items():
+                if value is not None:
+                    state.check_tensor(where, f"{key} residual of bucket {k}", value,
+                                       (value.numel(),), torch.float32)
+        self.compressing = compressing
+        for flat, m in zip(self._momentum, saved["momentum"]):
+            state.copy_into(flat, m)
+        self._denom = [state.restore(d, flat.device)
+                       for d, flat in zip(saved["denom"], self._momentum)]
+        # Compressing: the optimizer adopts these buffers before the next backward.
+        self._bound, self._loaded = None, compressing
+        for s, flat, res in zip(self._states, self._momentum, saved["residuals"]):
+            s.reset()
+            s.worker = None if res["worker"] is None else state.restore(res["worker"],
+                                                                         flat.device)
+            s.server = None if res["server"] is None else state.restore(res["server"],
+                                                                         flat.device)

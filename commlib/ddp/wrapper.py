@@ -112,6 +112,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                             named_parameters=named,
                             bucket_cap_bytes=caps[0] if len(caps) == 1 else caps,
                             submit=self._engine.submit)
+        self.algorithm.attach(self._ctx)
         self.algorithm.setup(self._ctx)
         mode = FIND_UNUSED if self.find_unused_parameters else STRICT
         if self.static_graph:

@@ -136,6 +136,25 @@ def _workspace(like: Any, n: int, part: int, method: str, chunk_size: int) -> _W
     return cache[key]
 
 
+def workspace_bytes() -> int:
+    """Bytes held by the calling thread's cached workspaces."""
+    cache = getattr(_workspaces, "cache", None) or {}
+    return sum(_nbytes(buf) for ws in cache.values() for buf in vars(ws).values())
+
+
+def release_workspaces() -> int:
+    """Drop the calling thread's cached workspaces (the next call allocates anew); returns
+    the bytes released. Algorithms call it on the thread that ran their exchanges when they
+    are torn down, so a long-lived thread does not keep them."""
+    released = workspace_bytes()
+    _workspaces.cache = {}
+    return released
+
+
+def _nbytes(buf: Any) -> int:
+    return buf.numel() * buf.element_size() if _is_torch(buf) else int(buf.nbytes)
+
+
 def _exchange(flat: Any, average: bool, comm: Any, method: str, chunk_size: int,
               state: CompressionState | None) -> Any:
     n = comm.size

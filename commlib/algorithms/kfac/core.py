@@ -1,29 +1,39 @@
 """What ``d_kfac`` and ``dp_kfac`` share: hyperparameters, layers, owners, the schedule,
 factor capture, KL clipping and writing the preconditioned gradients back.
 
-Per training step, on every rank (``step`` = optimizer steps taken so far)::
+Per iteration, on every rank (``step`` = iterations completed before this one)::
 
     before_forward    arm factor capture iff step % factor_update_steps == 0
     forward/backward  the capture hooks accumulate this rank's batch factor sums
     on_bucket_ready   gradients averaged with allreduce (as in ``gradient_allreduce``)
     after_backward    [factor update] [inverse update iff step % inv_update_steps == 0]
                       precondition, KL-clip, write into p.grad (in place)
+    before_optimizer_step   with ``lr=None`` only: the KL clip, with the optimizer's
+                      learning rate of each layer, scales p.grad (first step of the
+                      iteration only)
+
+Calibration: the ``G`` factors and the KL clip are computed from loss-scaled gradients
+(``grad_scaler``, AMP) and from micro-batches whose loss was divided by
+``accumulation_steps``; both are undone (``G`` times ``(accumulation_steps / scale)^2``,
+the clip's ``<v, g>`` divided by ``scale^2``), so factors and clipping are those of the
+plain loss of the whole batch.
 
 Subclasses decide where factors and inverses live and what travels (:meth:`_update_factors`,
 :meth:`_update_inverses`, :meth:`_preconditioned`).
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
 from ..base import Context
 from ..gradient_allreduce import GradientAllReduce
-from . import inverses
+from . import inverses, saving
 from .assignment import METHODS as ASSIGNMENTS, assign
 from .factors import FactorCapture
-from .kl_clip import clip_scale
+from .kl_clip import clip_scale, inner_products, scale_for
 from .layers import KFACLayer, find_layers
 from .timers import Timers
 
@@ -40,17 +50,29 @@ class KFAC(GradientAllReduce):
     update takes ``F_batch`` as is. In [0, 1).
     ``factor_update_steps`` (1), ``inv_update_steps`` (1): factors are updated on steps that
     are multiples of the first, inverses on multiples of the second (step 0 does both).
-    ``kl_clip`` (1e-3): KL-clipping bound, ``None`` disables; ``lr`` (0.1): the optimizer's
-    learning rate, used only by KL clipping (keep it equal to the optimizer's).
+    ``kl_clip`` (1e-3): KL-clipping bound, ``None`` disables. ``lr`` (``None``): the
+    learning rate KL clipping assumes: ``None`` reads it from the optimizer's param group
+    of each layer when the optimizer steps (clipping then scales ``p.grad`` in the first
+    ``optimizer.step()`` of the iteration, before the update), a float, or a callable
+    ``step -> lr`` (``step``: the iteration; clipping then happens in backward).
+    ``grad_scaler`` (``None``): the ``torch.amp.GradScaler`` whose scaled loss is
+    backpropagated, or a callable returning the current loss scale. ``accumulation_steps``
+    (1): backward passes per iteration (under ``no_sync``) whose loss was divided by it.
     ``assignment`` ("greedy"): owners of layers, "greedy" or "round_robin" (see
     :mod:`.assignment`). ``inverse`` ("eigen"): "eigen" (exact damping) or "cholesky" (see
     :mod:`.inverses`). ``hierarchical`` (False): hierarchical gradient allreduce.
     """
 
+    #: whether the factors of every captured layer exist from the start (else a layer's
+    #: appear at its first factor update)
+    holds_every_factor: ClassVar[bool] = False
+
     def __init__(self, damping: float = 1e-3, factor_decay: float = 0.95,
                  factor_update_steps: int = 1, inv_update_steps: int = 1,
-                 kl_clip: float | None = 1e-3, lr: float = 0.1, assignment: str = "greedy",
-                 inverse: str = "eigen", hierarchical: bool = False) -> None:
+                 kl_clip: float | None = 1e-3,
+                 lr: float | Callable[[int], float] | None = None, assignment: str = "greedy",
+                 inverse: str = "eigen", hierarchical: bool = False, grad_scaler: Any = None,
+                 accumulation_steps: int = 1) -> None:
         super().__init__(hierarchical=hierarchical, average=True)
         self.damping = _positive("damping", damping)
         if not 0.0 <= factor_decay < 1.0:
@@ -60,7 +82,13 @@ class KFAC(GradientAllReduce):
         self.factor_update_steps = _interval("factor_update_steps", factor_update_steps)
         self.inv_update_steps = _interval("inv_update_steps", inv_update_steps)
         self.kl_clip = None if kl_clip is None else _positive("kl_clip", kl_clip)
-        self.lr = _positive("lr", lr)
+        self.lr = lr if lr is None or callable(lr) else _positive("lr", lr)
+        if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale")
+                                            or callable(grad_scaler)):
+            raise ValueError(f"K-FAC: grad_scaler must be a torch.amp.GradScaler or a callable "
+                             f"returning the loss scale, got {type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
+        self.accumulation_steps = _interval("accumulation_steps", accumulation_steps)
         self.assignment = _choice("assignment", assignment, ASSIGNMENTS)
         self.inverse = _choice("inverse", inverse, inverses.METHODS)
         self._layers: list[KFACLayer] = []
@@ -70,6 +98,9 @@ class KFAC(GradientAllReduce):
         self._capture: FactorCapture | None = None
         self._factor_updates = 0
         self._exchange_bytes = 0
+        # lr=None: (layer, <v, g>) of the last backward, clipped when the optimizer steps
+        self._clip_pending: list[tuple[KFACLayer, float]] | None = None
+        self._clip_loss_scale = 1.0
 
     # -- public --------------------------------------------------------------------------
     def owners(self) -> dict[str, int]:
@@ -122,8 +153,10 @@ class KFAC(GradientAllReduce):
         self._capture.armed = ctx.step % self.factor_update_steps == 0
 
     def after_backward(self, ctx: Context) -> None:
+        loss_scale = self.loss_scale()
         if ctx.step % self.factor_update_steps == 0:
             self._capture.record_peak()
+            self._capture.g_scale = (self.accumulation_steps / loss_scale) ** 2
             self._update_factors(ctx, first=self._factor_updates == 0)
             self._factor_updates += 1
             self._capture.clear()
@@ -131,13 +164,64 @@ class KFAC(GradientAllReduce):
         if ctx.step % self.inv_update_steps == 0:
             self._update_inverses(ctx)
         results = self._preconditioned(ctx)
-        scale = clip_scale(((v, g) for _, v, g in results), self.lr, self.kl_clip)
+        self._clip_pending = None
+        if self.kl_clip is not None and self.lr is None:
+            for layer, v, _ in results:
+                layer.write_grad(v)
+            products = inner_products((v, g) for _, v, g in results)
+            self._clip_pending = [(r[0], vg) for r, vg in zip(results, products)]
+            self._clip_loss_scale = loss_scale
+            return
+        lr = self.lr(ctx.step) if callable(self.lr) else self.lr
+        scale = clip_scale(((v, g) for _, v, g in results), lr, self.kl_clip, loss_scale)
         for layer, v, _ in results:
             layer.write_grad(v if scale == 1.0 else v * scale)
+
+    def before_optimizer_step(self, ctx: Context, optimizer: torch.optim.Optimizer) -> None:
+        """``lr=None``: the KL clip of the last backward with the optimizer's learning rate
+        of each layer, applied to ``p.grad`` in place (once per iteration)."""
+        if self._clip_pending is None:
+            return
+        pending, self._clip_pending = self._clip_pending, None
+        lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+        terms = []
+        for layer, vg in pending:
+            lr = lr_of.get(id(layer.module.weight))
+            if lr is None:
+                raise ValueError(f"{type(self).__name__} (rank {ctx.rank}): KL clipping reads "
+                                 f"the learning rate of layer {layer.name!r} from the optimizer, "
+                                 f"which does not hold its weight; pass lr= to the algorithm")
+            terms.append((vg, float(lr)))
+        scale = scale_for(terms, self.kl_clip, self._clip_loss_scale)
+        if scale != 1.0:
+            with torch.no_grad():
+                for layer, _ in pending:
+                    for p in layer.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+
+    def loss_scale(self) -> float:
+        """The current loss scale of ``grad_scaler`` (1.0 without one)."""
+        if self.grad_scaler is None:
+            return 1.0
+        get = getattr(self.grad_scaler, "get_scale", self.grad_scaler)
+        scale = float(get())
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"{type(self).__name__}: grad_scaler gave the loss scale {scale}; "
+                             f"it must be positive and finite")
+        return scale
 
     def teardown(self, ctx: Context) -> None:
         if self._capture is not None:
             self._capture.remove()
+
+    # -- saving and resuming -------------------------------------------------------------
+    def save_state(self, ctx: Context) -> dict[str, Any]:
+        """See :func:`.saving.save`."""
+        return saving.save(self)
+
+    def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
+        saving.load(self, saved, where)
 
     # -- for subclasses ------------------------------------------------------------------
     def owned(self) -> list[KFACLayer]:
@@ -164,6 +248,10 @@ class KFAC(GradientAllReduce):
         raise NotImplementedError
 
     def _inverse_items(self) -> list[tuple[int, list[torch.Tensor]]]:
+        raise NotImplementedError
+
+    def _load_factors(self, factors: dict[int, list[torch.Tensor]]) -> None:
+        """Replace the held running factors by ``factors`` (checked; by layer index)."""
         raise NotImplementedError
 
     def _update_factors(self, ctx: Context, first: bool) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from ...primitives import allgather_v, allreduce
 from ...reduce_ops import ReduceOp
+from .. import state
 from ..base import Context
 from ..buckets import build
 from .core import KFAC, Result
@@ -29,6 +30,8 @@ from .packing import views
 class DKFAC(KFAC):
     """Distributed K-FAC with factor allreduce (see the module docstring and :class:`KFAC`
     for the hyperparameters). Every rank holds every layer's factors and inverses."""
+
+    holds_every_factor = True
 
     def _captured_layers(self) -> list[KFACLayer]:
         return self._layers
@@ -51,6 +54,11 @@ class DKFAC(KFAC):
 
     def _inverse_items(self) -> list[tuple[int, list[torch.Tensor]]]:
         return list(self._inverses.items())
+
+    def _load_factors(self, factors: dict[int, list[torch.Tensor]]) -> None:
+        for index, held in self._factors.items():
+            for view, saved in zip(held, factors[index]):
+                state.copy_into(view, saved)
 
     def _update_factors(self, ctx: Context, first: bool) -> None:
         """Local running averages, then one allreduce (average) per bucket, launched as soon

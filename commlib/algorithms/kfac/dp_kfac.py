@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...primitives import allgather_v
+from .. import state
 from ..base import Context
 from .core import KFAC, Result
 from .factors import update_running
@@ -29,7 +30,10 @@ from .packing import views
 class DPKFAC(KFAC):
     """Data-parallel K-FAC (see the module docstring and :class:`KFAC` for the
     hyperparameters). The factors are those of the owner's local batch, not of the global
-    batch: with shards of different statistics the preconditioner differs from d_kfac's."""
+    batch: with shards of different statistics the preconditioner differs from d_kfac's.
+    Its state holds the owned layers only, so it is loaded by the rank that saved it."""
+
+    per_rank_state = True
 
     def _captured_layers(self) -> list[KFACLayer]:
         return self.owned()
@@ -48,6 +52,10 @@ class DPKFAC(KFAC):
 
     def _inverse_items(self) -> list[tuple[int, list[torch.Tensor]]]:
         return list(self._inverses.items())
+
+    def _load_factors(self, factors: dict[int, list[torch.Tensor]]) -> None:
+        device = self._send.device
+        self._factors = {i: [state.restore(t, device) for t in ag] for i, ag in factors.items()}
 
     def _update_factors(self, ctx: Context, first: bool) -> None:
         """Owned layers only, from this rank's batch. ``first`` is not needed: a layer's first

@@ -36,6 +36,7 @@ class FactorCapture:
         self.layers = list(layers)
         self.timers = timers
         self.armed = False
+        self.g_scale = 1.0  # G is multiplied by it (undoes loss scaling and loss / k)
         self.peak_bytes = 0  # largest total of accumulators seen by record_peak
         self._handles = [l.module.register_forward_hook(partial(self._on_forward, l))
                          for l in self.layers]
@@ -61,11 +62,15 @@ class FactorCapture:
     def batch_factor(self, layer: KFACLayer, which: str) -> torch.Tensor | None:
         """This rank's factor ``which`` (``"A"``: ``(d_in, d_in)``, ``"G"``: ``(d_out, d_out)``)
         of the batch since :meth:`clear`, as a new tensor in the layer's dtype; ``None`` if
-        the layer took no part in a forward (``A``) or backward (``G``) pass since then."""
+        the layer took no part in a forward (``A``) or backward (``G``) pass since then.
+        ``G`` is multiplied by :attr:`g_scale`."""
         i = layer.index
         if which == "A":
             return self._a_sum[i] / self._a_rows[i] if i in self._a_sum else None
-        return self._g_sum[i] / self._g_calls[i] if i in self._g_sum else None
+        if i not in self._g_sum:
+            return None
+        g = self._g_sum[i] / self._g_calls[i]
+        return g if self.g_scale == 1.0 else g.mul_(self.g_scale)
 
     # -- hooks (main thread, inside forward / backward) ----------------------------------
     def _on_forward(self, layer: KFACLayer, module: Any, inputs: tuple, output: Any) -> None:
