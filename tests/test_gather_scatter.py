@@ -93,18 +93,20 @@ def test_alltoall_v_rejects_bad_splits():
 @pytest.mark.parametrize("async_op", [False, True])
 def test_recv_any_reports_each_sender(async_op):
     rank, n = commlib.get_rank(), commlib.get_world_size()
+    tag = 4 + async_op  # each case its own tag: a fast sender's next message never matches
     if rank == 0:
         seen = set()
         for _ in range(n - 1):
             x = np.zeros(3)
-            src = commlib.recv_any(x, tag=4, async_op=async_op)
+            src = commlib.recv_any(x, tag=tag, async_op=async_op)
             if async_op:
                 src = src.wait()
             np.testing.assert_array_equal(x, [src, src, src])
             seen.add(src)
         assert seen == set(range(1, n))
     else:
-        commlib.send(np.full(3, float(rank)), dst=0, tag=4)
+        commlib.send(np.full(3, float(rank)), dst=0, tag=tag)
+    commlib.barrier()
 
 
 @pytest.mark.mpi

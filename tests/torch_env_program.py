@@ -5,6 +5,7 @@ snapshot saved, loaded and trained on. Run by test_torch_launch.py under ``mpiex
     python torch_env_program.py ORDER BACKEND SNAPSHOT_DIR
     ORDER: commlib-first | torch-first; BACKEND: default (no argument) | commlib | gloo
 """
+import gc
 import os
 import sys
 
@@ -74,4 +75,9 @@ replicas = [torch.zeros_like(flat(model)) for _ in range(world)]
 dist.all_gather(replicas, flat(model))
 assert all(torch.equal(r, replicas[0]) for r in replicas), "replicas differ between ranks"
 print(f"rank {rank} of {world} ok backend={dist.get_backend_config()}", flush=True)
+# DDP models that outlive destroy_process_group() make gloo abort at exit now and then
+# ("terminate called without an active exception"; torch alone, without commlib, too): the
+# usual order, models first.
+del model, resumed, opt, opt2
+gc.collect()
 dist.destroy_process_group()
