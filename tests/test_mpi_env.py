@@ -77,5 +77,7 @@ def test_numpy_only_users_never_load_torch():
 def test_backend_registered_in_either_import_order(first):
     second = "torch" if first == "commlib" else "commlib"
     out = _python(f"import {first}, {second}, torch.distributed as dist; "
-                  f"print(dist.Backend('commlib'), dist.Backend.default_device_backend_map['cpu'])")
-    assert out == "commlib gloo"
+                  f"print('commlib' in dist.Backend.backend_list, "
+                  f"dist.Backend.backend_capability.get('commlib'), "
+                  f"dist.Backend.default_device_backend_map['cpu'])")
+    assert out == "True ['cpu', 'cuda'] gloo"
