@@ -6,13 +6,22 @@ arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Wor
 """
 from .errors import CommError, NonFiniteError
 from .options import Options, options
-from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, barrier,
-                         block_offsets, block_sizes, broadcast, new_group, recv, reduce,
-                         reduce_scatter, send, world)
+from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, alltoall_v,
+                         barrier, block_offsets, block_sizes, broadcast, gather, new_group,
+                         recv, recv_any, reduce, reduce_scatter, scatter, send, world)
+from .primitives import group_from_ranks as new_subgroup
 from .reduce_ops import ReduceOp
 from .runtime import (get_local_rank, get_local_size, get_rank, get_world_size, init,
                       is_initialized)
 from .accounting import stats
+from . import mpi_env as _mpi_env
+from .torch_backend import hook as _torch_hook
+
+# Under mpiexec: torch.distributed's env:// variables from MPI (see commlib.mpi_env), and
+# the "commlib" torch.distributed backend registered once torch is (or when it gets)
+# imported (see commlib.torch_backend.hook); neither imports torch.
+_mpi_env.publish()
+_torch_hook.install()
 
 __version__ = "0.1.0"
 
@@ -24,13 +33,14 @@ def __getattr__(name: str):
         return import_module(".ddp", __name__).DistributedDataParallel
     if name == "algorithms":
         return import_module(".algorithms", __name__)
+
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 
 
 __all__ = [
     "CommError", "DistributedDataParallel", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
-    "allreduce", "alltoall", "barrier", "block_offsets", "block_sizes", "broadcast",
-    "get_local_rank", "get_local_size", "get_rank", "get_world_size", "init",
-    "is_initialized", "new_group", "options", "recv", "reduce", "reduce_scatter", "send",
-    "stats", "world",
+    "allreduce", "alltoall", "alltoall_v", "barrier", "block_offsets", "block_sizes",
+    "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
+    "init", "is_initialized", "new_group", "new_subgroup", "options", "recv", "recv_any",
+    "reduce", "reduce_scatter", "scatter", "send", "stats", "world",
 ]

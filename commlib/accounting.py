@@ -7,7 +7,9 @@ algorithm, with the factors of nccl-tests (n ranks in the group, B the buffer):
 =================  ==============================
 allreduce          2 (n - 1) / n * B
 reduce_scatter     (n - 1) / n * B (B the full input)
-alltoall           (n - 1) / n * B
+alltoall(_v)       (n - 1) / n * B
+gather             B (this rank's part)
+scatter            (n - 1) / n * B (B the source's whole buffer; 0 on other ranks)
 allgather(_v)      (n - 1) * B (B this rank's part)
 broadcast, reduce  B
 send, recv         B (counted on the sender; recv counts bytes, no bus bytes)
@@ -50,6 +52,9 @@ BUS_FACTOR: dict[str, Callable[[int, int], int]] = {
     "allreduce": _allreduce,
     "reduce_scatter": _scatter,
     "alltoall": _scatter,
+    "alltoall_v": _scatter,
+    "gather": _whole,
+    "scatter": _scatter,
     "allgather": _gather,
     "allgather_v": _gather,
     "broadcast": _whole,

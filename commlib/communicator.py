@@ -131,6 +131,20 @@ class Communicator:
             return None
         return Communicator(sub, self.watchdog, name)
 
+    def create_group(self, ranks: list[int], name: str, tag: int = 0) -> "Communicator":
+        """Collective over the members only (``MPI_Comm_create_group``): a communicator of the
+        ranks ``ranks`` of this one, in that order; only those ranks call it, with the same
+        ``ranks`` and ``tag``. The caller must be one of them."""
+        members = self.mpi.Get_group().Incl(ranks)
+        self.arm("create_group", name)
+        try:
+            sub = self.mpi.Create_group(members, tag)
+        finally:
+            self.disarm()
+            members.Free()
+        return Communicator(sub, self.watchdog, name,
+                            tuple(self.world_ranks[r] for r in ranks))
+
     def dup(self, name: str) -> "Communicator":
         """Collective: a communicator over the same ranks with its own message space."""
         return Communicator(self.mpi.Dup(), self.watchdog, name, self.world_ranks)

@@ -64,6 +64,10 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
     "abort_on_exception": (_as_bool, True, "COMMLIB_ABORT_ON_EXCEPTION",
                            "an uncaught exception on one rank aborts the whole job "
                            "(only when running with more than one rank)"),
+    "torch_env": (_as_bool, True, "COMMLIB_TORCH_ENV",
+                  "under mpiexec, set torch.distributed's env:// variables (RANK, WORLD_SIZE, "
+                  "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from MPI at import "
+                  "where they are missing"),
     "force_staging": (_as_bool, False, "COMMLIB_FORCE_STAGING",
                       "route CPU torch tensors through the host staging path used for GPU "
                       "buffers on MPI libraries that are not CUDA-aware (for testing)"),

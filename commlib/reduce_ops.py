@@ -3,10 +3,12 @@
 ``AVG`` is a ``SUM`` on the wire followed by a division by the group size on the receiving
 ranks; it is defined for floating-point and complex buffers only (an integer average would
 silently truncate). For ``bool`` buffers ``SUM``/``MAX`` are logical OR and
-``MIN``/``PRODUCT`` logical AND. ``bfloat16`` (and ``float16`` where MPI has no native
-half type) are reduced by user-defined operations that combine each pair of operands in
-float32 and round the result back to 16 bits, so every intermediate is representable and
-the result matches a float32 reduction rounded per step.
+``MIN``/``PRODUCT`` logical AND. The bitwise ``BAND``/``BOR``/``BXOR`` are defined for
+integer and bool buffers only (on bool: logical AND, OR, XOR). ``bfloat16`` (and
+``float16`` where MPI has no native half type) are reduced by user-defined operations
+that combine each pair of operands in float32 and round the result back to 16 bits, so
+every intermediate is representable and the result matches a float32 reduction rounded
+per step.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
@@ -44,9 +49,12 @@ def as_reduce_op(op: Any, opname: str, rank: int) -> ReduceOp:
 _NATIVE = {
     ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MIN: MPI.MIN,
     ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR,
 }
 _LOGICAL = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-            ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND}
+            ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND,
+            ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR, ReduceOp.BXOR: MPI.LXOR}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 _NUMPY = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
           ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
 _user_ops: dict[tuple[str, ReduceOp], Any] = {}
@@ -68,6 +76,9 @@ def _resolve(op: ReduceOp, dt: DType, opname: str, rank: int) -> Any:
     if op is ReduceOp.AVG and kind not in "fc":
         raise ValueError(f"{where(opname, rank)}: ReduceOp.AVG needs a floating-point or complex "
                          f"buffer, got {dt.name}; use ReduceOp.SUM and divide")
+    if op in _BITWISE and kind not in "iub":
+        raise ValueError(f"{where(opname, rank)}: {op!r} needs an integer or bool buffer, got "
+                         f"{dt.name}")
     if kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise ValueError(f"{where(opname, rank)}: {op!r} is undefined for complex buffers "
                          f"({dt.name})")

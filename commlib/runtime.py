@@ -1,6 +1,7 @@
 """Process-wide state: the world communicator, the watchdog and the abort-on-exception hook."""
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Any
@@ -33,6 +34,10 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     :data:`commlib.options` (``timeout``, ``local_size``, ``cuda_aware``,
     ``abort_on_exception``...), and unknown names raise ``TypeError``. A second call with a
     different ``comm`` raises :class:`CommError`; options given on later calls still apply.
+
+    A world of one MPI process while ``WORLD_SIZE`` > 1 is set (``torchrun`` or another
+    launcher without MPI) raises :class:`CommError` naming the launcher and the fix
+    (``mpiexec -n N python script.py``), since every process would otherwise run alone.
     """
     global _world, _world_source, _watchdog
     options.update(check=check, **opts)
@@ -40,6 +45,8 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
         if comm is not None and comm is not _world_source:
             raise CommError("commlib.init: already initialized with another communicator")
         return _world
+    if comm is None:
+        check_launcher(os.environ)
     source = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(source, MPI.Comm):
         raise TypeError(f"commlib.init: argument 'comm' must be an mpi4py.MPI.Comm, "
@@ -51,6 +58,30 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     if options.abort_on_exception and MPI.COMM_WORLD.Get_size() > 1:
         _install_excepthook()
     return _world
+
+
+def check_launcher(environ: Any) -> None:
+    """Raise :class:`CommError` when ``environ`` says the job has ``WORLD_SIZE`` > 1
+    processes but MPI sees a world of one: the processes were started by ``torchrun``
+    (which sets ``TORCHELASTIC_RUN_ID`` and ``GROUP_RANK``) or another launcher, not by
+    ``mpiexec``, and would each run alone."""
+    try:
+        n = int(environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return
+    if n <= 1 or MPI.COMM_WORLD.Get_size() != 1:
+        return
+    if "TORCHELASTIC_RUN_ID" in environ or "GROUP_RANK" in environ:
+        launcher = "torchrun (TORCHELASTIC_RUN_ID/GROUP_RANK are set)"
+    else:
+        launcher = "a launcher that is not an MPI launcher"
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
+    raise CommError(
+        f"commlib.init (rank {environ.get('RANK', '?')} of WORLD_SIZE={n}): this process was "
+        f"started by {launcher}, but MPI sees a world of 1 process, so each process would "
+        f"run alone. commlib communicates through MPI: launch the job with "
+        f"`mpiexec -n {n} python {script}` instead (commlib then sets RANK, WORLD_SIZE and "
+        f"MASTER_ADDR/MASTER_PORT for torch.distributed).")
 
 
 def is_initialized() -> bool:

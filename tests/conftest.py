@@ -22,3 +22,40 @@ def one_thread_per_rank():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def torch_groups():
+    """(commlib process group, gloo process group), both over all ranks, for the torch
+    backend's tests. When no default group exists yet, the default group is the commlib one
+    (made on a port rank 0 chooses) and is destroyed after the module; when another module
+    already made a default group (the gloo oracle of the DDP tests), both are new groups
+    beside it, destroyed after the module."""
+    import numpy as np
+    import torch.distributed as dist
+
+    import commlib
+    from commlib.mpi_env import free_port
+    owned = not dist.is_initialized()
+    if owned:
+        port = commlib.broadcast(np.array([free_port() if commlib.get_rank() == 0 else 0]))
+        dist.init_process_group("commlib", init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                                rank=commlib.get_rank(), world_size=commlib.get_world_size())
+        world = dist.group.WORLD
+    else:
+        world = dist.new_group(backend="commlib")
+    assert dist.get_backend(world) == "commlib"
+    gloo = dist.new_group(backend="gloo")
+    yield world, gloo
+    if owned:
+        dist.destroy_process_group()
+    else:
+        dist.destroy_process_group(gloo)
+        dist.destroy_process_group(world)
+    commlib.barrier()
+
+
+@pytest.fixture
+def commlib_pg(torch_groups):
+    """The commlib process group of :func:`torch_groups`."""
+    return torch_groups[0]

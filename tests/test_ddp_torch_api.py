@@ -321,3 +321,28 @@ def test_torch_generic_join_context_works_with_the_wrapper(gloo):
             torch.testing.assert_close(a, b, **TOL)
     finally:
         ddp.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend", ["gloo", "commlib"])
+def test_process_group_may_be_a_torch_sub_group(gloo, backend):
+    """A torch group of a subset of ranks (any backend) becomes the wrapper's group: only
+    its members construct the wrapper, and their gradients average over the members."""
+    n = commlib.get_world_size()
+    ranks = [n - 1, 0]
+    pg = dist.new_group(ranks, backend=backend)
+    if commlib.get_rank() not in ranks:
+        return
+    ref = net()
+    ddp = commlib.DistributedDataParallel(net(), process_group=pg)
+    try:
+        assert ddp.process_group.size == 2
+        x, y = batch(0, rank=commlib.get_rank())
+        F.cross_entropy(ddp(x), y).backward()
+        xs = [batch(0, rank=r) for r in ranks]
+        loss = sum(F.cross_entropy(ref(a), b) for a, b in xs) / 2
+        loss.backward()
+        for a, b in zip(ddp.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, **TOL)
+    finally:
+        ddp.close()

@@ -195,9 +195,7 @@ def _from_torch_group(pg: Any) -> Any:
                          f"not MPI rank {world.rank}; launch with mpiexec so both agree")
     if ranks == list(world.world_ranks):
         return None
-    from .. import primitives
-    subgroup = getattr(primitives, "new_subgroup", None)
-    if subgroup is None:
-        raise ValueError("DistributedDataParallel: a torch sub-group needs commlib's members-only "
-                         "groups (commlib.new_subgroup); pass a commlib.Group instead")
-    return subgroup(ranks)
+    from ..primitives import group_from_ranks
+    group = group_from_ranks(ranks)  # members only, as torch builds the wrapper there only
+    group.temporary = True  # the wrapper frees it once it has its own copy
+    return group

@@ -86,6 +86,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._closed = False
         # A communicator of our own: the wrapper's collectives never match the user's.
         self.process_group = new_group(parent=parent)
+        if getattr(parent, "temporary", False):
+            parent.free()
         try:
             self._setup(init_sync, init_buffers, caps)
         except BaseException:

@@ -2,7 +2,10 @@
 
 ``commlib.new_group(ranks)`` is collective over its parent (every rank of the parent calls
 it with the same ``ranks``, as in ``torch.distributed.new_group``); ranks outside ``ranks``
-get a group object whose collectives raise :class:`CommError`. Ranks passed to the
+get a group object whose collectives raise :class:`CommError`.
+``commlib.new_subgroup(ranks)`` (:func:`group_from_ranks`) is collective over the members
+only: ranks outside ``ranks`` do not call it (what a torch backend needs, since torch only
+asks the members of a new group to build it). Ranks passed to the
 collectives of a group (``src``, ``dst``) are ranks *within* the group: group rank ``i`` is
 world rank ``group.ranks[i]``.
 """
@@ -16,12 +19,14 @@ from ..errors import where
 from ..reduce_ops import ReduceOp
 from .allgather import allgather, allgather_v
 from .allreduce import allreduce
-from .alltoall import alltoall
+from .alltoall import alltoall, alltoall_v
 from .barrier import barrier
 from .broadcast import broadcast
-from .p2p import recv, send
+from .gather import gather
+from .p2p import recv, recv_any, send
 from .reduce import reduce
 from .reduce_scatter import reduce_scatter
+from .scatter import scatter
 
 
 class Group:
@@ -69,11 +74,26 @@ class Group:
     def alltoall(self, tensor: Any, async_op: bool = False, out: Any = None) -> Any:
         return alltoall(tensor, self, async_op, out)
 
+    def alltoall_v(self, tensor: Any, send_splits: Sequence[int],
+                   recv_splits: Sequence[int] | None = None, async_op: bool = False,
+                   out: Any = None) -> Any:
+        return alltoall_v(tensor, send_splits, recv_splits, self, async_op, out)
+
+    def gather(self, tensor: Any, dst: int = 0, async_op: bool = False,
+               out: Any = None) -> Any:
+        return gather(tensor, dst, self, async_op, out)
+
+    def scatter(self, out: Any, data: Any = None, src: int = 0, async_op: bool = False) -> Any:
+        return scatter(out, data, src, self, async_op)
+
     def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Any:
         return send(tensor, dst, tag, self, async_op)
 
     def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Any:
         return recv(tensor, src, tag, self, async_op)
+
+    def recv_any(self, tensor: Any, tag: int = 0, async_op: bool = False) -> Any:
+        return recv_any(tensor, tag, self, async_op)
 
     def barrier(self, async_op: bool = False) -> Any:
         return barrier(self, async_op)
@@ -118,13 +138,7 @@ def new_group(ranks: Sequence[int] | None = None, hierarchical: bool = False,
     if ranks is None:
         ranks = parent_comm.world_ranks
     ranks = [int(r) for r in ranks]
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"{where('new_group', rank)}: argument 'ranks' has duplicates: {ranks}")
-    outside = [r for r in ranks if r not in parent_comm.world_ranks]
-    if outside or not ranks:
-        raise ValueError(f"{where('new_group', rank)}: argument 'ranks' must be a non-empty list "
-                         f"of world ranks of the parent {list(parent_comm.world_ranks)}; "
-                         f"not members: {outside}")
+    _check_ranks(ranks, parent_comm, "new_group", rank)
     me = parent_comm.world_ranks[rank]
     member = me in ranks
     key = ranks.index(me) if member else 0
@@ -132,3 +146,41 @@ def new_group(ranks: Sequence[int] | None = None, hierarchical: bool = False,
     if comm is not None:
         comm.world_ranks = tuple(ranks)
     return Group(comm, ranks, hierarchical)
+
+
+def group_from_ranks(ranks: Sequence[int], parent: Group | None = None,
+                     hierarchical: bool = False) -> Group:
+    """A group of the given world ranks, built by those ranks alone (exported as
+    ``commlib.new_subgroup``).
+
+    Collective over the members only (``MPI_Comm_create_group``): every rank in ``ranks``
+    calls it with the same ``ranks`` (same order: group rank ``i`` is world rank
+    ``ranks[i]``), ranks outside do not call it at all. Members that build several groups
+    must do so in the same order. ``parent`` (default: the world) must contain every rank
+    of ``ranks``. A caller outside ``ranks``, duplicates, or ranks outside the parent raise
+    ``ValueError``.
+    """
+    parent_comm = (parent or world()).comm
+    if parent_comm is None:
+        raise ValueError(f"{where('new_subgroup', runtime.get_rank())}: this rank is not a "
+                         f"member of the parent group")
+    ranks = [int(r) for r in ranks]
+    _check_ranks(ranks, parent_comm, "new_subgroup", parent_comm.rank)
+    me = parent_comm.world_ranks[parent_comm.rank]
+    if me not in ranks:
+        raise ValueError(f"{where('new_subgroup', parent_comm.rank)}: world rank {me} is not in "
+                         f"argument 'ranks'={ranks}; only the members call new_subgroup "
+                         f"(use new_group for a call on every rank)")
+    index = {w: i for i, w in enumerate(parent_comm.world_ranks)}
+    comm = parent_comm.create_group([index[r] for r in ranks], f"group{ranks}")
+    return Group(comm, ranks, hierarchical)
+
+
+def _check_ranks(ranks: list[int], parent_comm: Communicator, op: str, rank: int) -> None:
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{where(op, rank)}: argument 'ranks' has duplicates: {ranks}")
+    outside = [r for r in ranks if r not in parent_comm.world_ranks]
+    if outside or not ranks:
+        raise ValueError(f"{where(op, rank)}: argument 'ranks' must be a non-empty list "
+                         f"of world ranks of the parent {list(parent_comm.world_ranks)}; "
+                         f"not members: {outside}")

@@ -66,11 +66,35 @@ def recv(tensor: Any, src: int, tag: int = 0, group: Any = None,
     return tensor
 
 
-def _recv_stages(request: Any, comm: Communicator, buf: Buf, src: int, tensor: Any) -> Any:
-    status = yield request
-    _check_count(status, comm, buf, src)
+def recv_any(tensor: Any, tag: int = 0, group: Any = None, async_op: bool = False) -> Any:
+    """Receive into ``tensor`` (in place) the next message with ``tag`` from any rank of
+    ``group``; returns the sender's rank in ``group`` (or a :class:`Work` whose ``wait()``
+    returns it). Same size rule as :func:`recv`."""
+    comm = resolve(group, "recv")
+    rank = comm.rank
+    tag = _check_tag(tag, "recv", rank)
+    buf = adapt(tensor, "tensor", "recv", rank, write=True, read=False)
+    accounting.record("recv", buf.nbytes, comm.size)
+    if async_op:
+        request = comm.mpi.Irecv(buf.msg(), MPI.ANY_SOURCE, tag)
+        return Work(comm, "recv", buf, _recv_stages(request, comm, buf, None, None))
+    status = MPI.Status()
+    blocking(comm, "recv", buf, comm.mpi.Recv, buf.msg(), MPI.ANY_SOURCE, tag, status)
+    source = status.Get_source()
+    _check_count(status, comm, buf, source)
     buf.finish()
-    return tensor
+    return source
+
+
+def _recv_stages(request: Any, comm: Communicator, buf: Buf, src: int | None,
+                 tensor: Any) -> Any:
+    """Stages of a receive: check the count, copy back; return ``tensor``, or the sender's
+    rank when ``src`` is None (any source)."""
+    status = yield request
+    source = status.Get_source() if src is None else src
+    _check_count(status, comm, buf, source)
+    buf.finish()
+    return source if src is None else tensor
 
 
 def _check_count(status: Any, comm: Communicator, buf: Buf, src: int) -> None:

@@ -1,6 +1,7 @@
 """Handles of asynchronous operations."""
 from __future__ import annotations
 
+from time import monotonic, sleep
 from typing import Any, Generator
 
 from mpi4py import MPI
@@ -62,6 +63,23 @@ class Work:
                 comm.disarm()
             self._advance()
         return self._result
+
+    def cancel(self, grace_s: float = 1.0) -> bool:
+        """Cancel a pending single-request operation (``MPI_Cancel``: a receive no send
+        matched, a send no receive matched) and wait up to ``grace_s`` for the request to
+        be released. Returns True when MPI no longer uses the buffers (completed or
+        cancelled), False when the request is still active. For shutdown paths."""
+        if self._done or self._req is None:
+            return True
+        self._req.Cancel()
+        deadline = monotonic() + grace_s
+        while not self._req.Test(self._status):
+            if monotonic() > deadline:
+                return False
+            sleep(1e-3)
+        self._req = None
+        self._done = True
+        return True
 
     def result(self) -> Any:
         """The result of a completed operation (``wait()`` first)."""

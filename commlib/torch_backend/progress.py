@@ -1,0 +1,140 @@
+"""Collectives that complete in the background: the overlap of torch's DDP.
+
+torch's DDP starts a bucket's allreduce from the backward pass and asks for its future at
+once; it waits on the futures only at the end of backward. A collective called with
+``asyncOp`` (the default of the options torch's C++ callers pass, and what
+``async_op=True`` sets) is therefore started as a non-blocking MPI request in the calling
+thread, in call order on every rank, and handed to one progress thread per process that
+waits for each request inside MPI (without the GIL) and then completes the handle and its
+future; backward computes meanwhile. Calls with ``async_op=False`` stay blocking (no
+thread hop on the latency-bound path). Needs ``MPI_THREAD_MULTIPLE``; under a lower
+thread level everything runs blocking. The thread is stopped at exit, before MPI
+finalizes.
+"""
+from __future__ import annotations
+
+import atexit
+import queue
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+from torch._C._distributed_c10d import Work
+
+from .. import runtime
+from ..primitives import Work as CommlibPending
+
+
+class BackgroundWork(Work):
+    """Handle of a collective the progress thread completes: ``wait()`` blocks until it
+    has (without holding the GIL), ``get_future()`` returns the future at once (torch's DDP
+    chains on it), its value the list of tensors."""
+
+    def __init__(self, result: list, after: Callable[[Any], None] | None = None) -> None:
+        super().__init__()
+        self._result = result
+        self._after = after
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        devices = sorted({str(t.device) for t in result if t.device.type != "cpu"})
+        self._future = torch.futures.Future(devices=devices) if devices else \
+            torch.futures.Future()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+        self._done.set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()  # done before the event is set: the two never disagree
+
+    def is_success(self) -> bool:
+        return self._future.done() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> list:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, pending: CommlibPending, work: BackgroundWork) -> BackgroundWork:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name="commlib-torch-progress")
+                    self._thread.start()
+        self._queue.put((pending, work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            pending, work = item
+            error: BaseException | None = None
+            try:
+                value = pending.wait()
+                if work._after is not None:
+                    work._after(value)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                error = exc
+            try:
+                work._finish(error)
+            except BaseException as exc:  # noqa: BLE001 - never let the thread die
+                work._error = work._error or exc
+                work._done.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Finish the queued operations and stop the thread (at exit, before MPI
+        finalizes)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._queue.put(None)
+        thread.join(timeout_s)
+        if thread.is_alive():
+            sys.stderr.write("[commlib] torch backend: collectives started with async_op "
+                             "were still pending at exit (a rank never called them)\n")
+        self._thread = None
+
+
+_progress = _Progress()
+atexit.register(_progress.stop)
+
+
+def background() -> bool:
+    """Whether collectives may complete on the progress thread (MPI_THREAD_MULTIPLE)."""
+    return runtime.thread_multiple()
+
+
+def submit(pending: CommlibPending, result: list,
+           after: Callable[[Any], None] | None = None) -> BackgroundWork:
+    """Hand a started commlib operation to the progress thread; its handle. ``after(value)``
+    runs on that thread once the operation completed (copying results out)."""
+    return _progress.submit(pending, BackgroundWork(result, after))
