@@ -13,16 +13,16 @@ finalizes.
 """
 from __future__ import annotations
 
-import atexit
 import queue
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import torch
 from torch._C._distributed_c10d import Work
 
-from .. import runtime
+from .. import runtime, shutdown
 from ..primitives import Work as CommlibPending
 
 
@@ -88,6 +88,7 @@ class _Progress:
                     self._thread = threading.Thread(target=self._run, daemon=True,
                                                     name="commlib-torch-progress")
                     self._thread.start()
+                    shutdown.register(self)
         self._queue.put((pending, work))
         return work
 
@@ -110,22 +111,27 @@ class _Progress:
                 work._error = work._error or exc
                 work._done.set()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Finish the queued operations and stop the thread (at exit, before MPI
-        finalizes)."""
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Finish the queued operations and stop the thread; ``False`` if it is still
+        inside MPI after ``timeout_s`` (a peer never made its collective)."""
         thread = self._thread
         if thread is None:
-            return
+            return True
         self._queue.put(None)
         thread.join(timeout_s)
         if thread.is_alive():
             sys.stderr.write("[commlib] torch backend: collectives started with async_op "
                              "were still pending at exit (a rank never called them)\n")
+            return False
         self._thread = None
+        return True
+
+    def stop_at_exit(self, deadline: float) -> bool:
+        """For :mod:`commlib.shutdown`: stopped before MPI finalizes, bounded."""
+        return self.stop(max(0.0, deadline - time.monotonic()))
 
 
 _progress = _Progress()
-atexit.register(_progress.stop)
 
 
 def background() -> bool:

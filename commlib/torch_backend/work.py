@@ -18,7 +18,6 @@ into memory Python had already freed.
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import Work
 
+from .. import shutdown
 from ..primitives import Work as CommlibPending
 
 
@@ -142,4 +142,14 @@ def settle(grace_s: float = 2.0) -> int:
     return len(left)
 
 
-atexit.register(settle)
+class _Settler:
+    """For :mod:`commlib.shutdown`: point-to-point handles settled before MPI finalizes
+    (cancelled ones keep their buffers alive, so nothing is left running)."""
+
+    def stop_at_exit(self, deadline: float) -> bool:
+        settle(min(2.0, max(0.0, deadline - time.monotonic())))
+        return True
+
+
+_settler = _Settler()
+shutdown.register(_settler)
