@@ -212,3 +212,22 @@ def test_algorithm_hooks_are_called_in_order():
             ["forward", "backward", "pre_step", "post_step2"]
     finally:
         ddp.close()
+
+
+@pytest.mark.mpi
+def test_a_dropped_wrapper_is_freed_and_closed_without_the_garbage_collector():
+    """No reference cycle keeps a wrapper alive: ``del ddp`` closes it at once (its thread
+    and communicator released then, not at interpreter exit)."""
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        ddp = commlib.DistributedDataParallel(make("mlp", torch.float64))
+        ddp(torch.randn(2, 10, dtype=torch.float64)).sum().backward()
+        group = ddp.process_group
+        ref = weakref.ref(ddp)
+        del ddp
+        assert ref() is None
+        assert group.comm is None
+    finally:
+        gc.enable()

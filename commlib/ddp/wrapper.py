@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -119,8 +120,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         mode = FIND_UNUSED if self.find_unused_parameters else STRICT
         if self.static_graph:
             mode = STATIC
+        # A weak callback: the hooks never keep the wrapper alive (``del ddp`` closes it).
+        end_iteration = weakref.WeakMethod(self._end_iteration)
         self._hooks = GradientHooks(self._ctx, self.algorithm, self._engine, mode,
-                                    self._end_iteration)
+                                    lambda: end_iteration()())
         self._rebuild_buckets()
         self._optimizer_hooks = _register_optimizer_hooks(self)
 
@@ -335,8 +338,6 @@ def _to_device(inputs: tuple, kwargs: dict, device: int) -> tuple[tuple, dict]:
 
 def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
     """Global optimizer hooks, filtered to optimizers that hold the module's parameters."""
-    import weakref
-
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
     ref = weakref.ref(ddp)
