@@ -167,29 +167,28 @@ class GradientHooks:
     def shadow_backward(self) -> None:
         """The collectives of a synced backward with zero gradients, for a rank that has
         run out of data (``join()``): every bucket, the use agreement, the iteration end."""
-        try:
-            if self.active:
-                for bucket in self.ctx.buckets:
-                    bucket.flat.zero_()
-                for f in [self.engine.submit(self._exchange, b, ()) for b in self.ctx.buckets]:
-                    f.result()
-                if self.mode == FIND_UNUSED or (self.mode == STATIC and
-                                                self._static_unused is None):
-                    self._agree_on_use(self._params())
-            self.algorithm.after_backward(self.ctx)
-            self.ctx.step += 1
-            self.on_iteration_end()
-        finally:
-            self._used = set()
-            self._reset_backward()
+        self._end_backward(self._shadow_exchange)
+
+    def _shadow_exchange(self) -> None:
+        for bucket in self.ctx.buckets:
+            bucket.flat.zero_()
+        for f in [self.engine.submit(self._exchange, b, ()) for b in self.ctx.buckets]:
+            f.result()
+        if self.mode == FIND_UNUSED or (self.mode == STATIC and self._static_unused is None):
+            self._agree_on_use(self._params())
 
     def _params(self) -> list[torch.Tensor]:
         return [p for b in self.ctx.buckets for p in b.tensors]
 
     def _finish_backward(self) -> None:
+        self._end_backward(self._finish_exchange)
+
+    def _end_backward(self, exchange: Callable[[], None]) -> None:
+        """Finish the buckets' exchange (``exchange``), then ``after_backward`` and the end of
+        the iteration; the per-backward state is reset whatever happens."""
         try:
             if self.active:
-                self._finish_exchange()
+                exchange()
                 if self.grad_scale != 1.0:
                     for bucket in self.ctx.buckets:
                         bucket.flat.mul_(self.grad_scale)
