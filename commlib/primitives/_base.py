@@ -12,6 +12,7 @@ from ..communicator import Communicator
 from ..dtypes import bf16_to_f32, f32_to_bf16
 from ..errors import CommError, where
 from ..reduce_ops import ReduceOp
+from .work import Work
 
 
 def resolve(group: Any, op: str) -> Communicator:
@@ -70,3 +71,16 @@ def after(request: Any, *bufs: Buf, result: Any = None) -> Any:
     for buf in bufs:
         buf.finish()
     return result() if callable(result) else result
+
+
+def out_of_place(comm: Communicator, op: str, buf: Buf, out: Buf, async_op: bool,
+                 start: Callable, call: Callable, *args: Any) -> Any:
+    """Run an out-of-place collective whose result is ``out.obj``: ``start(*args)`` (the
+    non-blocking MPI call) under a :class:`Work` when ``async_op``, else ``call(*args)``
+    under the watchdog; both buffers are finished (copy-back, staging release) after."""
+    if async_op:
+        return Work(comm, op, buf, after(start(*args), buf, out, result=out.obj))
+    blocking(comm, op, buf, call, *args)
+    buf.finish()
+    out.finish()
+    return out.obj

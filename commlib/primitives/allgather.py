@@ -8,7 +8,7 @@ import numpy as np
 from .. import accounting
 from ..buffers import Buf, adapt, output
 from ..errors import CommError, where
-from ._base import after, blocking, resolve
+from ._base import after, blocking, out_of_place, resolve
 from .work import Work
 
 
@@ -31,13 +31,8 @@ def allgather(tensor: Any, group: Any = None, async_op: bool = False, out: Any =
     accounting.record("allgather", buf.nbytes, comm.size)
     send = buf.msg()
     recv = [out.mem, buf.count, buf.dt.mpi]
-    if async_op:
-        request = comm.mpi.Iallgather(send, recv)
-        return Work(comm, "allgather", buf, after(request, buf, out, result=out.obj))
-    blocking(comm, "allgather", buf, comm.mpi.Allgather, send, recv)
-    buf.finish()
-    out.finish()
-    return out.obj
+    return out_of_place(comm, "allgather", buf, out, async_op, comm.mpi.Iallgather, comm.mpi.Allgather, send,
+                        recv)
 
 
 def allgather_v(tensor: Any, group: Any = None, async_op: bool = False) -> Any:

@@ -10,8 +10,7 @@ import numpy as np
 from .. import accounting
 from ..buffers import adapt, output
 from ..errors import where
-from ._base import after, blocking, resolve
-from .work import Work
+from ._base import blocking, out_of_place, resolve
 
 
 def alltoall(tensor: Any, group: Any = None, async_op: bool = False, out: Any = None) -> Any:
@@ -40,13 +39,8 @@ def alltoall(tensor: Any, group: Any = None, async_op: bool = False, out: Any = 
     per_rank = buf.count // n
     send = [buf.mem, per_rank, buf.dt.mpi]
     recv = [out.mem, per_rank, buf.dt.mpi]
-    if async_op:
-        request = comm.mpi.Ialltoall(send, recv)
-        return Work(comm, "alltoall", buf, after(request, buf, out, result=out.obj))
-    blocking(comm, "alltoall", buf, comm.mpi.Alltoall, send, recv)
-    buf.finish()
-    out.finish()
-    return out.obj
+    return out_of_place(comm, "alltoall", buf, out, async_op, comm.mpi.Ialltoall, comm.mpi.Alltoall, send,
+                        recv)
 
 
 def alltoall_v(tensor: Any, send_splits: Sequence[int], recv_splits: Sequence[int] | None = None,
@@ -88,13 +82,8 @@ def alltoall_v(tensor: Any, send_splits: Sequence[int], recv_splits: Sequence[in
     row = math.prod(buf.shape[1:])
     send = [buf.mem, _counts_displs(send_splits, row), buf.dt.mpi]
     recv = [out.mem, _counts_displs(recv_splits, row), buf.dt.mpi]
-    if async_op:
-        request = comm.mpi.Ialltoallv(send, recv)
-        return Work(comm, "alltoall_v", buf, after(request, buf, out, result=out.obj))
-    blocking(comm, "alltoall_v", buf, comm.mpi.Alltoallv, send, recv)
-    buf.finish()
-    out.finish()
-    return out.obj
+    return out_of_place(comm, "alltoall_v", buf, out, async_op, comm.mpi.Ialltoallv, comm.mpi.Alltoallv, send,
+                        recv)
 
 
 def _splits(splits: Any, name: str, n: int, rank: int) -> list[int]:
