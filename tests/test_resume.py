@@ -20,12 +20,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
-import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-from algo_harness import BUCKET_MB, batch_indices, digits, model, param_groups  # noqa: E402
+from algo_harness import BUCKET_MB, model, param_groups  # noqa: E402
 from helpers import run_mpi, serial_only  # noqa: E402
-from resume_program import CONFIGS, NEEDS_STATE, TIMED, same  # noqa: E402
+from resume_program import CONFIGS, NEEDS_STATE, TIMED, same, train  # noqa: E402
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "resume_program.py")
 K = 4
@@ -62,16 +61,6 @@ def test_every_algorithm_resumes_exactly_in_new_processes(n, tmp_path):
 
 
 # -- in process ------------------------------------------------------------------------
-def _train(ddp, opt, first, last):
-    rank, n = commlib.get_rank(), commlib.get_world_size()
-    x, y = digits()
-    for step in range(first, last):
-        idx = batch_indices(rank, n, step)
-        opt.zero_grad()
-        F.cross_entropy(ddp(x[idx]), y[idx]).backward()
-        opt.step()
-
-
 def _qadam(warmup=2, compression="sign1"):
     from commlib.algorithms.qadam import QAdamOptimizer
     ddp = commlib.DistributedDataParallel(model(), algorithm="qadam", warmup_steps=warmup,
@@ -91,16 +80,16 @@ def test_qadam_rollback_in_process_keeps_the_optimizer_bound(order, compression)
     the warm-up: loading it must write the algorithm's buffers, which it keeps viewing."""
     ddp, opt = _qadam(compression=compression)
     try:
-        _train(ddp, opt, 0, 8)
+        train(ddp, opt, 0, 8)
         expected = [p.detach().clone() for p in ddp.parameters()]
     finally:
         ddp.close()
     ddp, opt = _qadam(compression=compression)
     try:
-        _train(ddp, opt, 0, 4)
+        train(ddp, opt, 0, 4)
         saved = (copy.deepcopy(ddp.module.state_dict()), copy.deepcopy(opt.state_dict()),
                  ddp.algorithm.state_dict())
-        _train(ddp, opt, 4, 6)
+        train(ddp, opt, 4, 6)
         ddp.module.load_state_dict(saved[0])
         if order == "algorithm_first":
             ddp.algorithm.load_state_dict(saved[2])
@@ -113,7 +102,7 @@ def test_qadam_rollback_in_process_keeps_the_optimizer_bound(order, compression)
                 for p, offset, numel in zip(bucket.tensors, bucket.offsets, bucket.numels):
                     view = opt.state[p]["exp_avg"]
                     assert view.data_ptr() == m[offset:offset + numel].data_ptr()
-        _train(ddp, opt, 4, 8)
+        train(ddp, opt, 4, 8)
         for a, b in zip(ddp.parameters(), expected):
             assert torch.equal(a, b)
         for bucket, m in zip(algo._ctx.buckets, algo._momentum):
@@ -136,7 +125,7 @@ def test_load_state_dict_refuses_what_does_not_fit():
     lowp = commlib.DistributedDataParallel(model(), algorithm="low_precision_decentralized",
                                            bucket_cap_mb=BUCKET_MB)
     try:
-        _train(ddp, opt, 0, 3)
+        train(ddp, opt, 0, 3)
         state = ddp.algorithm.state_dict()
         before = ddp.algorithm.state_dict()
         _raises("the algorithm differs", lambda: lowp.algorithm.load_state_dict(state))
