@@ -33,8 +33,8 @@ def __getattr__(name: str):
         return import_module(".ddp", __name__).DistributedDataParallel
     if name == "algorithms":
         return import_module(".algorithms", __name__)
-    if name == "nn":
-        return import_module(".nn", __name__)
+    if name in ("nn", "hooks"):
+        return import_module("." + name, __name__)
 
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 

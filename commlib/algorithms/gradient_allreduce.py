@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..primitives import allreduce
 from ..reduce_ops import ReduceOp
+from . import precision
 from .base import Algorithm, Context
 from .buckets import Bucket
 from .registry import register
@@ -15,15 +18,30 @@ class GradientAllReduce(Algorithm):
     """Average (or sum) each bucket of gradients over the group, overlapped with backward.
 
     ``hierarchical``: reduce inside each node, allreduce among node leaders, broadcast
-    inside the node. ``average``: divide by the group size (``False`` sums). After backward
-    every rank holds the same gradients.
+    inside the node. ``average``: divide by the group size (``False`` sums).
+    ``comm_dtype``: exchange each bucket in this floating dtype (``torch.bfloat16`` or
+    ``torch.float16`` halve the bytes of float32 gradients; cast back after the sum);
+    ``None`` keeps the gradients' dtype. ``predivide_factor`` ``f``: divide by ``f``
+    before the sum and by ``n / f`` after it (Horovod's ``gradient_predivide_factor``; see
+    :mod:`commlib.algorithms.precision`). After backward every rank holds the same
+    gradients.
     """
 
-    def __init__(self, hierarchical: bool = False, average: bool = True) -> None:
+    def __init__(self, hierarchical: bool = False, average: bool = True,
+                 comm_dtype: torch.dtype | str | None = None,
+                 predivide_factor: float = 1.0) -> None:
         self.hierarchical = bool(hierarchical)
         self.average = bool(average)
+        self.comm_dtype, self.predivide_factor = precision.check(
+            "gradient_allreduce", comm_dtype, predivide_factor, self.average)
 
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
-        op = ReduceOp.AVG if self.average else ReduceOp.SUM
-        return allreduce(bucket.flat, op=op, group=ctx.group, async_op=True,
-                         hierarchical=self.hierarchical)
+        if precision.is_plain(bucket.flat, self.comm_dtype, self.predivide_factor):
+            op = ReduceOp.AVG if self.average else ReduceOp.SUM
+            return allreduce(bucket.flat, op=op, group=ctx.group, async_op=True,
+                             hierarchical=self.hierarchical)
+        precision.average(bucket.flat, ctx.world_size, self.comm_dtype, self.predivide_factor,
+                          lambda t: allreduce(t, ReduceOp.SUM, ctx.group,
+                                              hierarchical=self.hierarchical),
+                          divide=self.average)
+        return None

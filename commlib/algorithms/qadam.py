@@ -36,7 +36,7 @@ import torch
 from ..primitives import CompressionState, allreduce, compressed_allreduce
 from ..primitives.compressed import release_workspaces
 from ..reduce_ops import ReduceOp
-from . import state
+from . import precision, state
 from .base import Algorithm, Context
 from .buckets import Bucket
 from .qadam_optimizer import QAdamOptimizer
@@ -86,7 +86,8 @@ class QAdam(Algorithm):
     ``compression``: ``"sign1"`` (error feedback) or ``"minmax_uint8"``.
     ``hierarchical``: node-local full-precision reduce first. ``chunk_size``: elements per
     compression chunk. ``max_update``: bound on ``|u|`` (Adam's normalized step) before
-    compression. Each parameter's momentum uses the ``betas[0]`` and ``weight_decay`` of
+    compression. ``comm_dtype``/``predivide_factor``: the warm-up's gradient exchange, as
+    in ``gradient_allreduce`` (:mod:`commlib.algorithms.precision`). Each parameter's momentum uses the ``betas[0]`` and ``weight_decay`` of
     its own param group. State (:meth:`state_dict`): the phase, the momentum, the frozen
     denominators and this rank's error-feedback residuals, per bucket."""
 
@@ -94,7 +95,10 @@ class QAdam(Algorithm):
 
     def __init__(self, warmup_steps: int = 100, compression: str = "sign1",
                  hierarchical: bool = False, chunk_size: int = 2048,
-                 max_update: float = 10.0) -> None:
+                 max_update: float = 10.0, comm_dtype: torch.dtype | str | None = None,
+                 predivide_factor: float = 1.0) -> None:
+        self.comm_dtype, self.predivide_factor = precision.check(
+            "qadam", comm_dtype, predivide_factor)
         if compression not in ("sign1", "minmax_uint8"):
             raise ValueError(f"qadam: compression must be 'sign1' or 'minmax_uint8', "
                              f"got {compression!r}")
@@ -190,7 +194,12 @@ class QAdam(Algorithm):
 
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
         if not self.compressing:
-            return allreduce(bucket.flat, op=ReduceOp.AVG, group=ctx.group, async_op=True)
+            if precision.is_plain(bucket.flat, self.comm_dtype, self.predivide_factor):
+                return allreduce(bucket.flat, op=ReduceOp.AVG, group=ctx.group, async_op=True)
+            precision.average(bucket.flat, ctx.world_size, self.comm_dtype,
+                              self.predivide_factor,
+                              lambda t: allreduce(t, ReduceOp.SUM, ctx.group))
+            return None
         m, u = self._momentum[bucket.index], self._next[bucket.index]
         with torch.no_grad():
             self._update_momentum(bucket, m, u)

@@ -25,16 +25,19 @@ class GradBucket:
     ``buffer()`` is the flat 1-D tensor of the bucket's gradients (one dtype and device),
     not divided by the world size; ``gradients()``/``parameters()`` list the per-parameter
     views and parameters in bucket order; ``is_last()`` is true for the last bucket
-    exchanged in a backward pass; ``set_buffer(t)`` copies ``t`` into the buffer."""
+    exchanged in a backward pass; ``set_buffer(t)`` replaces the tensor ``buffer()``
+    returns (as torch's: e.g. a float16 copy that a wrapped hook then exchanges); the
+    bucket's gradients take the value of the hook's future in any case."""
 
     def __init__(self, bucket: Bucket, last: bool, group: Any) -> None:
         self._bucket, self._last, self.group = bucket, last, group
+        self._buffer: torch.Tensor = bucket.flat
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
-        return self._bucket.flat
+        return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
         return list(self._bucket.views)
@@ -46,7 +49,11 @@ class GradBucket:
         return self._last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._bucket.flat.copy_(tensor)
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != self._bucket.flat.shape:
+            raise ValueError(f"GradBucket.set_buffer: argument 'tensor' must be a tensor of "
+                             f"shape {tuple(self._bucket.flat.shape)} (the bucket), got "
+                             f"{getattr(tensor, 'shape', type(tensor).__name__)}")
+        self._buffer = tensor
 
 
 class CommHookAlgorithm(Algorithm):
@@ -75,7 +82,7 @@ class CommHookAlgorithm(Algorithm):
             raise ValueError(f"communication hook {self.name}: the future must hold one "
                              f"tensor of shape {tuple(bucket.flat.shape)} (the bucket), got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
-        if value.data_ptr() != bucket.flat.data_ptr():
+        if value.data_ptr() != bucket.flat.data_ptr() or value.dtype != bucket.flat.dtype:
             bucket.flat.copy_(value)
 
 
@@ -115,3 +122,32 @@ fp16_compress_hook.__qualname__ = fp16_compress_hook.__name__ = "fp16_compress_h
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 bf16_compress_hook.__doc__ = """As :func:`fp16_compress_hook`, in bfloat16."""
 bf16_compress_hook.__qualname__ = bf16_compress_hook.__name__ = "bf16_compress_hook"
+
+
+def _compress_wrapper(dtype: torch.dtype, name: str) -> Callable[..., Any]:
+    def wrapper(hook: Callable[[Any, GradBucket], torch.futures.Future]
+                ) -> Callable[[Any, GradBucket], torch.futures.Future]:
+        def compressed_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
+            bucket.set_buffer(bucket.buffer().to(dtype))
+            future = hook(state, bucket)
+
+            def decompress(done: torch.futures.Future) -> torch.Tensor:
+                value = done.value()
+                value = value[0] if isinstance(value, (list, tuple)) else value
+                out = bucket._bucket.flat
+                return out.copy_(value)
+            return future.then(decompress)
+        compressed_hook.__qualname__ = compressed_hook.__name__ = (
+            f"{name}({getattr(hook, '__qualname__', hook)})")
+        return compressed_hook
+    wrapper.__qualname__ = wrapper.__name__ = name
+    wrapper.__doc__ = f"""Wrap a communication hook so that it exchanges the bucket in
+    {dtype}: the bucket's buffer is cast to {dtype} (``set_buffer``) before ``hook`` runs,
+    and the hook's result is cast back into the bucket's gradients (torch's
+    ``default_hooks.{name}``; ``{name}(allreduce_hook)`` averages like the compress hook,
+    dividing after the sum)."""
+    return wrapper
+
+
+fp16_compress_wrapper = _compress_wrapper(torch.float16, "fp16_compress_wrapper")
+bf16_compress_wrapper = _compress_wrapper(torch.bfloat16, "bf16_compress_wrapper")
