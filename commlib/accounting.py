@@ -18,14 +18,21 @@ sendrecv           B (what this rank sends)
 
 Compressed and hierarchical collectives count the buffers they really hand to MPI, under
 the names of the MPI-level operations they are made of.
+
+``seconds`` is the wall time this rank spent in the operation: inside MPI for blocking
+calls, from the start until ``wait()``/``is_completed()`` saw it complete for asynchronous
+ones (``async_op=True``); a hierarchical allreduce is timed as one ``allreduce``.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 _lock = threading.Lock()
 _counters: dict[str, list[int]] = {}
+_seconds: dict[str, float] = {}
+#: the running :class:`commlib.timeline.Timeline`, or ``None`` (set by commlib.timeline)
+tracer: Any = None
 
 
 def _allreduce(nbytes: int, n: int) -> int:
@@ -79,17 +86,29 @@ def record(op: str, nbytes: int, group_size: int) -> None:
             c[2] += bus
 
 
-def stats(reset: bool = False) -> dict[str, dict[str, int]]:
-    """This rank's counters: ``{op: {"calls": int, "bytes": int, "bus_bytes": int}}``.
+def timed(op: str, t0: float, t1: float, comm: Any, what: Any, seq: int) -> None:
+    """Add ``t1 - t0`` seconds (``time.perf_counter()``) to ``op``'s time, and an event
+    to the timeline when one runs. ``comm``: the communicator; ``what``: the buffer."""
+    with _lock:
+        _seconds[op] = _seconds.get(op, 0.0) + (t1 - t0)
+    if tracer is not None:
+        tracer.collective(op, t0, t1, comm, what, seq)
+
+
+def stats(reset: bool = False) -> dict[str, dict[str, Any]]:
+    """This rank's counters: ``{op: {"calls": int, "bytes": int, "bus_bytes": int,
+    "seconds": float}}``.
 
     With ``reset=True`` the counters are cleared after they are read (atomically, so no call
     is lost between the read and the reset). Counts are local to the calling rank.
     """
     with _lock:
-        out = {op: {"calls": c[0], "bytes": c[1], "bus_bytes": c[2]}
+        out = {op: {"calls": c[0], "bytes": c[1], "bus_bytes": c[2],
+                    "seconds": _seconds.get(op, 0.0)}
                for op, c in _counters.items()}
         if reset:
             _counters.clear()
+            _seconds.clear()
     return out
 
 

@@ -45,6 +45,13 @@ def _parse_tristate(text: Any) -> str:
     return "1" if _parse_bool(low) else "0"
 
 
+def _parse_path(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    return text or None
+
+
 def _as_bool(value: Any) -> bool:
     return _parse_bool(value) if isinstance(value, str) else bool(value)
 
@@ -68,6 +75,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
                   "under mpiexec, set torch.distributed's env:// variables (RANK, WORLD_SIZE, "
                   "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from MPI at import "
                   "where they are missing"),
+    "timeline": (_parse_path, None, "COMMLIB_TIMELINE",
+                 "write a Chrome trace of every collective and DDP bucket exchange to "
+                 "PATH.rank{r}.json (see commlib.timeline); read at commlib.init()"),
     "force_staging": (_as_bool, False, "COMMLIB_FORCE_STAGING",
                       "route CPU torch tensors through the host staging path used for GPU "
                       "buffers on MPI libraries that are not CUDA-aware (for testing)"),

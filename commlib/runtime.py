@@ -57,6 +57,9 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     _world_source = source
     if options.abort_on_exception and MPI.COMM_WORLD.Get_size() > 1:
         _install_excepthook()
+    if options.timeline:
+        from . import timeline
+        timeline.start()
     return _world
 
 

@@ -135,8 +135,9 @@ def test_bytes_per_layer_and_step():
     commlib.stats(reset=True)
     layer(x).sum().backward()
     got = commlib.stats(reset=True)
-    assert got == {"allreduce": {"calls": 2, "bytes": 8 * (2 * C + 1) + 16 * C,
-                                 "bus_bytes": got["allreduce"]["bus_bytes"]}}
+    assert list(got) == ["allreduce"]
+    assert got["allreduce"]["calls"] == 2
+    assert got["allreduce"]["bytes"] == 8 * (2 * C + 1) + 16 * C
     n = commlib.get_world_size()
     assert got["allreduce"]["bus_bytes"] == (2 * (n - 1) * 8 * (2 * C + 1) // n
                                             + 2 * (n - 1) * 16 * C // n)

@@ -14,16 +14,18 @@ still averaged.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from time import perf_counter
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from .. import accounting
 from ..algorithms.base import Algorithm, Context
 from ..algorithms.buckets import Bucket
 from ..primitives import allgather_v, allreduce
 from ..reduce_ops import ReduceOp
-from .engine import Engine
+from .engine import Engine, drive
 
 # Readiness modes, after torch DDP's: every parameter must get a gradient ("strict"), the
 # forward graph tells which will not ("find_unused"), or the first iteration tells ("static").
@@ -134,7 +136,15 @@ class GradientHooks:
     def _exchange(self, bucket: Bucket, events: Any) -> Any:
         for event in events:
             event.synchronize()
-        return self.algorithm.on_bucket_ready(self.ctx, bucket)
+        tracer = accounting.tracer
+        if tracer is None:
+            return self.algorithm.on_bucket_ready(self.ctx, bucket)
+        t0 = perf_counter()  # the timeline's bucket event covers the exchange's completion
+        result = drive(self.algorithm.on_bucket_ready(self.ctx, bucket))
+        tracer.span("bucket_exchange", "ddp", t0, perf_counter(),
+                    {"bucket": bucket.index, "bytes": bucket.nbytes, "step": self.ctx.step,
+                     "algorithm": self.algorithm.name, "group": self.ctx.group.comm.name})
+        return result
 
     def _mark_unused(self, p: torch.Tensor) -> None:
         """Ready without a gradient from this backward: the bucket carries what ``p.grad``

@@ -2,11 +2,12 @@
 and finishing reductions (AVG division, copy-back of staged or non-contiguous buffers)."""
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Any, Callable
 
 import numpy as np
 
-from .. import runtime
+from .. import accounting, runtime
 from ..buffers import Buf
 from ..communicator import Communicator
 from ..dtypes import bf16_to_f32, f32_to_bf16
@@ -30,12 +31,16 @@ def resolve(group: Any, op: str) -> Communicator:
 
 
 def blocking(comm: Communicator, op: str, what: Any, fn: Callable, *args: Any) -> Any:
-    """Call a blocking MPI function under the watchdog deadline."""
+    """Call a blocking MPI function under the watchdog deadline, timed (``stats()``'s
+    ``seconds``, the timeline)."""
     comm.arm(op, what)
+    t0 = perf_counter()
     try:
         return fn(*args)
     finally:
+        t1 = perf_counter()
         comm.disarm()
+        accounting.timed(op, t0, t1, comm, what, comm.seq)
 
 
 def divide(buf: Buf, n: int) -> None:

@@ -1,11 +1,12 @@
 """Handles of asynchronous operations."""
 from __future__ import annotations
 
-from time import monotonic, sleep
+from time import monotonic, perf_counter, sleep
 from typing import Any, Generator
 
 from mpi4py import MPI
 
+from .. import accounting
 from ..communicator import Communicator
 
 # A stage generator yields MPI requests one after the other (a chain such as the three
@@ -24,27 +25,31 @@ class Work:
     ``wait()`` or a ``True`` from ``is_completed()``.
     """
 
-    __slots__ = ("_comm", "_op", "_what", "_stages", "_req", "_done", "_result", "_status")
+    __slots__ = ("_comm", "_op", "_what", "_stages", "_req", "_done", "_result", "_status",
+                 "_t0", "_seq")
 
     def __init__(self, comm: Communicator, op: str, what: Any, stages: Stages) -> None:
         self._comm, self._op, self._what, self._stages = comm, op, what, stages
+        self._t0, self._seq = perf_counter(), comm.seq
         self._done = False
         self._result: Any = None
         self._status = MPI.Status()
         try:
             self._req = next(stages)
         except StopIteration as stop:
-            self._req = None
-            self._done = True
-            self._result = stop.value
+            self._complete(stop.value)
 
     def _advance(self) -> None:
         try:
             self._req = self._stages.send(self._status)
         except StopIteration as stop:
-            self._req = None
-            self._done = True
-            self._result = stop.value
+            self._complete(stop.value)
+
+    def _complete(self, result: Any) -> None:
+        self._req = None
+        self._done = True
+        self._result = result
+        accounting.timed(self._op, self._t0, perf_counter(), self._comm, self._what, self._seq)
 
     def is_completed(self) -> bool:
         """True once the operation has finished and its result is in place."""
