@@ -23,6 +23,7 @@ import atexit
 import json
 import threading
 from time import perf_counter, time
+from threading import get_ident
 from typing import Any, Iterable
 
 from . import accounting
@@ -31,73 +32,118 @@ FLUSH_EVERY = 4096  # events buffered before they are written
 
 
 class Timeline:
-    """Trace events of this rank, written to ``path`` (a JSON array)."""
+    """Trace events of this rank, written to ``path`` (a JSON array).
+
+    Recording an event appends one tuple to a list (the calling thread pays well under
+    2 us); every :data:`FLUSH_EVERY` events the list is formatted into JSON text and
+    written, so the file grows as the run goes."""
 
     def __init__(self, path: str, rank: int, size: int) -> None:
         self.path, self.rank = path, rank
         self.origin = perf_counter()      # t = 0: right after the start barrier
         self.wall_origin = time()
         self._lock = threading.Lock()
-        self._events: list[dict[str, Any]] = []
+        self._pending: list[tuple] = []
         self._tids: dict[int, int] = {}
+        self._names: dict[str, str] = {}  # JSON-escaped strings, formatted once each
+        self._parts_cache: dict[tuple, tuple[str, str, str]] = {}
         self._file = open(path, "w", encoding="utf-8")
         self._file.write("[\n")
         self._first = True
         self._closed = False
-        self._meta("process_name", 0, {"name": f"rank {rank}"})
-        self._meta("process_sort_index", 0, {"sort_index": rank})
-        self._events.append({"name": "commlib_timeline", "ph": "i", "s": "p", "ts": 0.0,
-                             "pid": rank, "tid": 0,
-                             "args": {"rank": rank, "world_size": size,
-                                      "wall_clock_origin_s": self.wall_origin}})
+        self._text: list[str] = [
+            self._meta("process_name", 0, {"name": f"rank {rank}"}),
+            self._meta("process_sort_index", 0, {"sort_index": rank}),
+            json.dumps({"name": "commlib_timeline", "ph": "i", "s": "p", "ts": 0.0,
+                        "pid": rank, "tid": 0,
+                        "args": {"rank": rank, "world_size": size,
+                                 "wall_clock_origin_s": self.wall_origin}})]
 
-    def _meta(self, name: str, tid: int, args: dict[str, Any]) -> None:
-        self._events.append({"name": name, "ph": "M", "pid": self.rank, "tid": tid,
-                             "args": args})
+    def _meta(self, name: str, tid: int, args: dict[str, Any]) -> str:
+        return json.dumps({"name": name, "ph": "M", "pid": self.rank, "tid": tid,
+                           "args": args})
 
     def _tid(self) -> int:
-        ident = threading.get_ident()
+        ident = get_ident()
         tid = self._tids.get(ident)
         if tid is None:
-            tid = self._tids[ident] = len(self._tids) + 1
-            self._meta("thread_name", tid, {"name": threading.current_thread().name})
+            with self._lock:
+                tid = self._tids[ident] = len(self._tids) + 1
+                self._text.append(self._meta("thread_name", tid,
+                                             {"name": threading.current_thread().name}))
         return tid
 
     def span(self, name: str, cat: str, t0: float, t1: float, args: dict[str, Any]) -> None:
         """One complete event from ``t0`` to ``t1`` (``time.perf_counter()`` seconds)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank,
-                                 "tid": self._tid(), "ts": round((t0 - self.origin) * 1e6, 3),
-                                 "dur": round((t1 - t0) * 1e6, 3), "args": args})
-            if len(self._events) >= FLUSH_EVERY:
-                self._flush()
+        self._pending.append((name, cat, t0, t1, self._tid(), args))
+        if len(self._pending) >= FLUSH_EVERY:
+            self.flush()
 
     def collective(self, op: str, t0: float, t1: float, comm: Any, what: Any,
                    seq: int) -> None:
-        nbytes = getattr(what, "nbytes", None)
-        args: dict[str, Any] = {"group": comm.name, "group_size": comm.size, "seq": seq}
-        if isinstance(nbytes, int):
+        """One collective call (the hot path: a tuple appended)."""
+        self._pending.append((op, t0, t1, self._tid(), comm.name, comm.size, seq,
+                              getattr(what, "nbytes", -1)))
+        if len(self._pending) >= FLUSH_EVERY:
+            self.flush()
+
+    def _quoted(self, text: str) -> str:
+        q = self._names.get(text)
+        if q is None:
+            q = self._names[text] = json.dumps(text)
+        return q
+
+    def _format(self, events: list[tuple]) -> list[str]:
+        origin, pid, out = self.origin, self.rank, []
+        cache = self._parts_cache
+        template = '%s"ts":%.3f,"dur":%.3f,"args":{"group":%s,"seq":%d%s}}'
+        for e in events:
+            if len(e) == 6:  # span(name, cat, t0, t1, tid, args)
+                name, cat, t0, t1, tid, args = e
+                out.append(json.dumps({"name": name, "cat": cat, "ph": "X", "pid": pid,
+                                       "tid": tid, "ts": round((t0 - origin) * 1e6, 3),
+                                       "dur": round((t1 - t0) * 1e6, 3), "args": args},
+                                      separators=(",", ":")))
+                continue
+            op, t0, t1, tid, group, size, seq, nbytes = e
+            key = (op, group, size, nbytes, tid)
+            parts = cache.get(key)
+            if parts is None:
+                parts = cache[key] = self._parts(op, group, size, nbytes, tid)
+            out.append(template % (parts[0], (t0 - origin) * 1e6, (t1 - t0) * 1e6, parts[1],
+                                   seq, parts[2]))
+        return out
+
+    def _parts(self, op: str, group: str, size: int, nbytes: int, tid: int
+               ) -> tuple[str, str, str]:
+        """The constant pieces of a collective's event text."""
+        head = (f'{{"name":{self._quoted(op)},"cat":"collective","ph":"X","pid":{self.rank},'
+                f'"tid":{tid},')
+        tail = f',"group_size":{size}'
+        if isinstance(nbytes, int) and nbytes >= 0:
             bus = accounting.BUS_FACTOR.get(op)
-            args["bytes"] = nbytes
-            if bus is not None:
-                args["bus_bytes"] = bus(nbytes, comm.size)
-        self.span(op, "collective", t0, t1, args)
+            tail += f',"bytes":{nbytes}' + (f',"bus_bytes":{bus(nbytes, size)}'
+                                            if bus is not None else "")
+        return head, self._quoted(group), tail
 
-    def _flush(self) -> None:
-        if self._events:
-            text = ",\n".join(json.dumps(e, separators=(",", ":")) for e in self._events)
-            self._file.write(text if self._first else ",\n" + text)
-            self._first = False
-            self._events = []
-
-    def close(self) -> None:
-        """Write what is buffered and end the JSON array (idempotent)."""
+    def flush(self) -> None:
+        """Format and write the events recorded so far."""
         with self._lock:
             if self._closed:
                 return
-            self._flush()
+            events, self._pending = self._pending, []
+            text, self._text = self._text + self._format(events), []
+            if text:
+                body = ",\n".join(text)
+                self._file.write(body if self._first else ",\n" + body)
+                self._first = False
+
+    def close(self) -> None:
+        """Write what is buffered and end the JSON array (idempotent)."""
+        self.flush()
+        with self._lock:
+            if self._closed:
+                return
             self._file.write("\n]\n")
             self._file.close()
             self._closed = True

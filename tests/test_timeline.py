@@ -1,7 +1,7 @@
 """The communication timeline: a DDP run writes one valid Chrome trace per rank with one
 bucket-exchange event per bucket per step and one event per collective (operation, group,
 bytes, sequence number, thread); merge() puts the ranks into one trace; stats() times
-every operation; COMMLIB_TIMELINE starts it at init()."""
+every operation. (commlib.init() starting it from the option: tests/test_example.py.)"""
 import json
 import os
 
@@ -13,7 +13,6 @@ from torch import nn  # noqa: E402
 
 import commlib  # noqa: E402
 from commlib import timeline  # noqa: E402
-from helpers import run_mpi, serial_only  # noqa: E402
 
 STEPS = 3
 
@@ -98,20 +97,3 @@ def test_start_needs_a_path():
     if commlib.options.timeline is None:
         with pytest.raises(ValueError, match="path"):
             timeline.start()
-
-
-@serial_only
-def test_environment_variable_starts_it_at_init(tmp_path):
-    program = tmp_path / "prog.py"
-    program.write_text(
-        "import torch, commlib\n"
-        "torch.set_num_threads(1)\n"
-        "commlib.init()\n"
-        "ddp = commlib.DistributedDataParallel(torch.nn.Linear(3, 2))\n"
-        "ddp(torch.ones(2, 3)).sum().backward()\n")
-    code, _, out = run_mpi(2, [str(program)], timeout=120, COMMLIB_TIMEOUT="60",
-                           COMMLIB_TIMELINE=str(tmp_path / "t"))
-    assert code == 0, out
-    for r in range(2):
-        events = timeline.load(str(tmp_path / f"t.rank{r}.json"))
-        assert [e["args"]["bucket"] for e in events if e["name"] == "bucket_exchange"] == [0]

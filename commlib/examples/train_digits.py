@@ -6,7 +6,11 @@ Each rank trains on its shard of the training set (a distributed sampler); rank 
 progress bar and, per epoch, the global mean loss, training accuracy and samples/s; the
 job ends with the test accuracy. The data set ships inside scikit-learn: nothing is
 downloaded. Algorithm options are passed as ``--algo-arg key=value`` (values parsed as
-Python literals), e.g. ``--algorithm gradient_allreduce --algo-arg hierarchical=True``.
+Python literals), e.g. ``--algorithm gradient_allreduce --algo-arg hierarchical=True`` or
+``--algo-arg comm_dtype=bf16``. ``--sync-bn`` turns the batch-norm layers into
+:class:`commlib.nn.SyncBatchNorm` (statistics over all ranks' batches); ``--timeline PATH``
+writes a Chrome trace of every collective and bucket exchange per rank
+(``PATH.rank{r}.json``) and, on rank 0, the merged ``PATH.json`` (open it in Perfetto).
 """
 from __future__ import annotations
 
@@ -116,6 +120,17 @@ def make_optimizer(args: argparse.Namespace, ddp: nn.Module) -> torch.optim.Opti
     return QAdamOptimizer(ddp.parameters(), lr=lr)
 
 
+def write_timeline(path: str, rank: int, n: int) -> None:
+    """Close every rank's trace, then merge them on rank 0 into ``path.json``."""
+    from commlib import timeline
+    timeline.stop()
+    commlib.barrier()
+    if rank == 0:
+        count = timeline.merge([timeline.rank_path(path, r) for r in range(n)],
+                               path + ".json")
+        print(f"timeline: {count} events from {n} ranks in {path}.json", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algorithm", default="gradient_allreduce",
@@ -131,8 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="batch-norm statistics over all ranks (commlib.nn.SyncBatchNorm)")
+    p.add_argument("--timeline", metavar="PATH", default=None,
+                   help="write a Chrome trace per rank (PATH.rankR.json) and the merged "
+                        "PATH.json (open in https://ui.perfetto.dev)")
     args = p.parse_args(argv)
 
+    if args.timeline:
+        commlib.options.timeline = args.timeline  # commlib.init() starts the trace
     commlib.init()
     rank, n = commlib.get_rank(), commlib.get_world_size()
     # Ranks share the node's cores: one intra-op thread each unless cores are plentiful.
@@ -142,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     sampler = DistributedSampler(train_set, num_replicas=n, rank=rank, shuffle=True,
                                  seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    ddp = commlib.DistributedDataParallel(DigitsCNN(), algorithm=args.algorithm,
+    model: nn.Module = DigitsCNN()
+    if args.sync_bn:
+        model = commlib.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    ddp = commlib.DistributedDataParallel(model, algorithm=args.algorithm,
                                           bucket_cap_mb=args.bucket_cap_mb,
                                           **parse_algo_args(args.algo_arg))
     opt = make_optimizer(args, ddp)
@@ -173,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"test accuracy {accuracy:.4f}  (bytes rank 0 handed to MPI: {sent:,})",
               flush=True)
     ddp.close()
+    if args.timeline:
+        write_timeline(args.timeline, rank, n)
     return 0
 
 
