@@ -176,6 +176,16 @@ class SyncBatchNorm(_BatchNorm):
                     unbiased.to(self.running_var.dtype), alpha=factor)
         return out
 
+    def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
+        # A copy (an EMA model, say) shares the group: communicators are not copied.
+        import copy
+        if self.process_group is not None:
+            memo[id(self.process_group)] = self.process_group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,
                                process_group: Any = None) -> torch.nn.Module:
