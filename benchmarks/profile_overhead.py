@@ -177,36 +177,46 @@ def main(argv: list[str] | None = None) -> int:
         table = best_ns(rows_fns, args.number, args.repeat)
     total = table["commlib.allreduce (total)"]
     raw = table["raw comm.Allreduce(IN_PLACE, [a, n, FLOAT], SUM)"]
-    # The trace is formatted and written every FLUSH_EVERY events: a best-of over short
-    # loops would pick loops without a flush, so the timeline's cost is measured over
-    # loops of 8 flushes each (best of 5, on and off alternating).
+    # The trace is spilled every FLUSH_EVERY events: a best-of over short loops would pick
+    # loops without a spill. So: loops of exactly FLUSH_EVERY calls (one spill each when
+    # on), off and on alternating, and the median of the per-pair differences (adjacent
+    # loops share the machine's state, which makes the difference robust to load).
     from commlib import accounting
     buf = np.zeros(count, np.float32)
     if args.torch:
         import torch
         buf = torch.from_numpy(buf)
-    calls = 8 * timeline.FLUSH_EVERY
-    amortized = {"off": math.inf, "on": math.inf}
-    for _ in range(5):
+    calls = timeline.FLUSH_EVERY
+    pairs: list[float] = []
+    per_state: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(max(10, args.repeat * 2)):
+        spent = {}
         for state in ("off", "on"):
             accounting.tracer = _TRACER if state == "on" else None
             t0 = time.perf_counter()
             for _ in range(calls):
                 commlib.allreduce(buf)
-            amortized[state] = min(amortized[state], (time.perf_counter() - t0) / calls * 1e9)
+            spent[state] = (time.perf_counter() - t0) / calls * 1e9
             accounting.tracer = None
+            per_state[state].append(spent[state])
+        pairs.append(spent["on"] - spent["off"])
+    amortized = {k: statistics.median(v) for k, v in per_state.items()}
+    t_close = time.perf_counter()
     _TRACER.close()
-    traced_added = amortized["on"] - amortized["off"]
+    close_ns = (time.perf_counter() - t_close) * 1e9 / max(1, len(timeline.load(_TRACER.path)))
+    traced_added = statistics.median(pairs)
     rows = [[k, f"{v:8.0f}"] for k, v in table.items()]
     kind = "torch" if args.torch else "numpy"
     evicted = f", {C.fmt_size(args.evict)} copied before each call" if args.evict else ""
     print(C.format_table(["step", "ns/call"], rows, title=f"{C.fmt_size(count * 4)} float32 "
                          f"{kind}, 1 process{evicted}: commlib adds {total - raw:.0f} ns per allreduce"))
-    print(f"timeline on: +{traced_added:.0f} ns per allreduce, its event formatted and "
-          f"written included ({amortized['on']:.0f} against {amortized['off']:.0f} ns, "
-          f"loops of {calls} calls; trace in {trace_dir}); off: the stats' time accounting "
-          f"costs {table['  accounting.timed (stats seconds; timeline off)']:.0f} ns, "
-          f"included in every total")
+    print(f"timeline on: +{traced_added:.0f} ns per allreduce, median of {len(pairs)} "
+          f"on-off pairs of loops of {calls} calls, its spill included (medians "
+          f"{amortized['on']:.0f} on, {amortized['off']:.0f} off); at stop(): "
+          f"{close_ns:.0f} ns per event to format the JSON (trace in {trace_dir}); off: "
+          f"the stats' time accounting costs "
+          f"{table['  accounting.timed (stats seconds; timeline off)']:.0f} ns, included in "
+          f"every total")
     if args.cprofile:
         prof = cProfile.Profile()
         buf = np.zeros(count, np.float32)
@@ -216,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         C.write_json(args.json, {"benchmark": "profile_overhead", "kind": kind,
                                  "bytes": count * 4, "evict_bytes": args.evict, "ns_per_call": table,
                                  "timeline_added_ns": traced_added,
-                                 "timeline_amortized_ns": amortized,
+                                 "timeline_median_ns": amortized,
+                                 "timeline_format_ns_per_event_at_stop": close_ns,
                                  "environment": C.environment(1)})
     return 0
 

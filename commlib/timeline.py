@@ -14,13 +14,17 @@ barrier's skew, and :func:`merge` simply puts every rank's events into one trace
 process per rank). A blocking collective's event is the time this rank spent inside MPI;
 an asynchronous one's runs from its start until ``wait()``/``is_completed()`` saw it done.
 
-Off (the default) the cost is one attribute test per collective. The file is written as
-events arrive (in chunks) and closed at :func:`stop` or interpreter exit.
+Off (the default) the cost is one attribute test per collective. On, recording an event
+appends a tuple to a list; every :data:`FLUSH_EVERY` events the list is spilled, unformatted
+(``marshal``), to ``path.raw``, and the JSON is formatted from it when the timeline stops
+(:func:`stop`, or interpreter exit), so the training loop never pays for JSON text.
 """
 from __future__ import annotations
 
 import atexit
 import json
+import marshal
+import os
 import threading
 from time import perf_counter, time
 from threading import get_ident
@@ -32,11 +36,10 @@ FLUSH_EVERY = 4096  # events buffered before they are written
 
 
 class Timeline:
-    """Trace events of this rank, written to ``path`` (a JSON array).
+    """Trace events of this rank, written to ``path`` (a JSON array) at :meth:`close`.
 
-    Recording an event appends one tuple to a list (the calling thread pays well under
-    2 us); every :data:`FLUSH_EVERY` events the list is formatted into JSON text and
-    written, so the file grows as the run goes."""
+    Recording an event appends one tuple to a list; every :data:`FLUSH_EVERY` events the
+    list is spilled unformatted to ``path + ".raw"``; :meth:`close` formats everything."""
 
     def __init__(self, path: str, rank: int, size: int) -> None:
         self.path, self.rank = path, rank
@@ -47,9 +50,7 @@ class Timeline:
         self._tids: dict[int, int] = {}
         self._names: dict[str, str] = {}  # JSON-escaped strings, formatted once each
         self._parts_cache: dict[tuple, tuple[str, str, str]] = {}
-        self._file = open(path, "w", encoding="utf-8")
-        self._file.write("[\n")
-        self._first = True
+        self._raw = open(path + ".raw", "wb")
         self._closed = False
         self._text: list[str] = [
             self._meta("process_name", 0, {"name": f"rank {rank}"}),
@@ -127,26 +128,33 @@ class Timeline:
         return head, self._quoted(group), tail
 
     def flush(self) -> None:
-        """Format and write the events recorded so far."""
+        """Spill the events recorded so far to the raw file (unformatted)."""
         with self._lock:
             if self._closed:
                 return
             events, self._pending = self._pending, []
-            text, self._text = self._text + self._format(events), []
-            if text:
-                body = ",\n".join(text)
-                self._file.write(body if self._first else ",\n" + body)
-                self._first = False
+            if events:
+                marshal.dump(events, self._raw)
 
     def close(self) -> None:
-        """Write what is buffered and end the JSON array (idempotent)."""
+        """Format every event into the JSON file and remove the raw one (idempotent)."""
         self.flush()
         with self._lock:
             if self._closed:
                 return
-            self._file.write("\n]\n")
-            self._file.close()
             self._closed = True
+            self._raw.close()
+            with open(self._raw.name, "rb") as raw, open(self.path, "w",
+                                                         encoding="utf-8") as out:
+                out.write("[\n" + ",\n".join(self._text))
+                while True:
+                    try:
+                        events = marshal.load(raw)
+                    except EOFError:
+                        break
+                    out.write(",\n" + ",\n".join(self._format(events)))
+                out.write("\n]\n")
+            os.remove(self._raw.name)
 
 
 def rank_path(path: str, rank: int) -> str:
