@@ -16,7 +16,7 @@ an asynchronous one's runs from its start until ``wait()``/``is_completed()`` sa
 
 Off (the default) the cost is one attribute test per collective. On, recording an event
 appends a tuple to a list; every :data:`FLUSH_EVERY` events the list is spilled, unformatted
-(``marshal``), to ``path.raw``, and the JSON is formatted from it when the timeline stops
+(``marshal``), to ``path.rank{r}.json.raw``, and the JSON is formatted from it when the timeline stops
 (:func:`stop`, or interpreter exit), so the training loop never pays for JSON text.
 """
 from __future__ import annotations
