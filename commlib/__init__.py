@@ -33,7 +33,7 @@ def __getattr__(name: str):
         return import_module(".ddp", __name__).DistributedDataParallel
     if name == "algorithms":
         return import_module(".algorithms", __name__)
-    if name in ("nn", "hooks"):
+    if name in ("nn", "hooks", "timeline"):
         return import_module("." + name, __name__)
 
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")

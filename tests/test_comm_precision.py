@@ -143,6 +143,12 @@ def test_half_precision_exchange_halves_the_bytes(one_thread_per_rank):
     # qadam's warm-up exchange
     assert backward_bytes(lambda: D(net(), bucket_cap_mb=0.0002, algorithm="qadam",
                                     comm_dtype=torch.bfloat16)) == full // 2
+    # K-FAC's gradient exchange (its factor exchange is unchanged: the difference is half
+    # the gradients' bytes)
+    for algorithm in ("d_kfac", "dp_kfac"):
+        kfac = [backward_bytes(lambda: D(net(), bucket_cap_mb=0.0002, algorithm=algorithm,
+                                         **kw)) for kw in ({}, {"comm_dtype": "bf16"})]
+        assert kfac[0] - kfac[1] == full // 2, algorithm
     for hook in (hooks.fp16_compress_hook, hooks.bf16_compress_hook,
                  hooks.fp16_compress_wrapper(hooks.allreduce_hook)):
         assert backward_bytes(lambda: D(net(), bucket_cap_mb=0.0002), hook) == full // 2

@@ -67,6 +67,8 @@ class KFAC(GradientAllReduce):
     ``assignment`` ("greedy"): owners of layers, "greedy" or "round_robin" (see
     :mod:`.assignment`). ``inverse`` ("eigen"): "eigen" (exact damping) or "cholesky" (see
     :mod:`.inverses`). ``hierarchical`` (False): hierarchical gradient allreduce.
+    ``comm_dtype`` (None), ``predivide_factor`` (1): the gradient exchange's precision, as
+    in ``gradient_allreduce`` (:mod:`commlib.algorithms.precision`).
     """
 
     #: whether the factors of every captured layer exist from the start (else a layer's
@@ -78,8 +80,10 @@ class KFAC(GradientAllReduce):
                  kl_clip: float | None = 1e-3,
                  lr: float | Callable[[int], float] | None = None, assignment: str = "greedy",
                  inverse: str = "eigen", hierarchical: bool = False, grad_scaler: Any = None,
-                 accumulation_steps: int = 1) -> None:
-        super().__init__(hierarchical=hierarchical, average=True)
+                 accumulation_steps: int = 1, comm_dtype: Any = None,
+                 predivide_factor: float = 1.0) -> None:
+        super().__init__(hierarchical=hierarchical, average=True, comm_dtype=comm_dtype,
+                         predivide_factor=predivide_factor)
         self.damping = _positive("damping", damping)
         if not 0.0 <= factor_decay < 1.0:
             raise ValueError(f"{type(self).__name__}: factor_decay must be in [0, 1), "
