@@ -33,14 +33,19 @@ def __getattr__(name: str):
         return import_module(".ddp", __name__).DistributedDataParallel
     if name == "algorithms":
         return import_module(".algorithms", __name__)
+    if name in ("Topology", "Grid"):
+        return getattr(import_module(".topology", __name__), name)
+    if name in ("parallel", "pipeline"):
+        return import_module(f".{name}", __name__)
 
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 
 
 __all__ = [
-    "CommError", "DistributedDataParallel", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "CommError", "DistributedDataParallel", "Grid", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
     "allreduce", "alltoall", "alltoall_v", "barrier", "block_offsets", "block_sizes",
     "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
-    "init", "is_initialized", "new_group", "new_subgroup", "options", "recv", "recv_any",
-    "reduce", "reduce_scatter", "scatter", "send", "stats", "world",
+    "init", "is_initialized", "new_group", "new_subgroup", "options", "parallel", "pipeline",
+    "recv", "recv_any",
+    "reduce", "reduce_scatter", "scatter", "send", "stats", "Topology", "world",
 ]
