@@ -180,3 +180,37 @@ def test_data_parallel_gradients_over_topology():
                                avg[4][layer.start:layer.start + layer.local], rtol=0,
                                atol=1e-12)
     topo.free()
+
+
+def test_vocab_parallel_embedding_and_cross_entropy():
+    from commlib.parallel import VocabParallelEmbedding, parallel_cross_entropy
+    group = commlib.world()
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(13, 5).double()  # 13: uneven blocks
+    ids = torch.tensor([[0, 12, 5], [7, 3, 12]])
+    layer = VocabParallelEmbedding.from_embedding(emb, group)
+    out = layer(ids)
+    want = emb(ids)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    g = data(4, 2, 3, 5)
+    (out * g).sum().backward()
+    (want * g).sum().backward()
+    torch.testing.assert_close(layer.weight.grad,
+                               emb.weight.grad[layer.start:layer.start + layer.local],
+                               rtol=0, atol=1e-12)
+    # sharded classifier + cross-entropy against the whole logits
+    head = torch.nn.Linear(5, 13).double()
+    x = data(5, 6, 5)
+    target = torch.tensor([0, 12, 4, 7, 7, 1])
+    col = ColumnParallelLinear.from_linear(head, group, gather_output=False)
+    loss = parallel_cross_entropy(col(x), target, group)
+    ref = torch.nn.functional.cross_entropy(head(x), target)
+    assert abs(loss.item() - ref.item()) < 1e-12
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(full_grad(col), head.weight.grad, rtol=0, atol=1e-12)
+    # negative control: each rank's loss over its own block only is not the loss
+    if group.size > 1:
+        alone = parallel_cross_entropy(col(x).detach(), target, commlib.new_subgroup(
+            [commlib.get_rank()]), vocab_size=col.local)
+        assert abs(alone.item() - ref.item()) > 1e-6

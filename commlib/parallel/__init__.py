@@ -3,5 +3,7 @@ backward run commlib collectives on the tensor-parallel group, and :func:`shard_
 which shards an existing model's memory-heavy Linear layers in place."""
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .shard import allreduce_gradients, shard_model
+from .vocab import VocabParallelEmbedding, parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "allreduce_gradients", "shard_model"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "allreduce_gradients", "parallel_cross_entropy", "shard_model"]

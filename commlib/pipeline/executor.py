@@ -1,6 +1,8 @@
 """Run a pipeline schedule over commlib's non-blocking send/recv."""
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,12 +39,19 @@ class Pipeline(torch.nn.Module):
     along a data-parallel axis, e.g. ``Topology(dp=2, pp=2).group("dp")``).
     Activation shapes are agreed by one metadata message per activation on the first step
     for each input shape, then every receive is posted when the step starts.
+
+    ``last_step``: ``{"seconds", "waiting"}`` of the last :meth:`train_step` on this rank
+    (its schedule's part, and the time spent waiting for messages within it).
+
+    ``poll_s``: waits test and sleep this long between tests instead of spinning in MPI
+    (default: 50 us when this node runs more ranks than it has cores, else 0: MPI's wait).
     """
 
     def __init__(self, stages: Sequence[torch.nn.Module], group: Any = None,
                  schedule: str = "1f1b", micro_batches: int = 4,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 chunks: int = 2, dp_group: Any = None, broadcast_weights: bool = True) -> None:
+                 chunks: int = 2, dp_group: Any = None, broadcast_weights: bool = True,
+                 poll_s: float | None = None) -> None:
         super().__init__()
         from ..runtime import init
         init()
@@ -87,6 +96,10 @@ class Pipeline(torch.nn.Module):
             if len(replicas) > 1:
                 world_ranks = [self.group.ranks[r] for r in replicas]
                 self._replica_groups[s] = primitives.group_from_ranks(world_ranks)
+        if poll_s is None:
+            from ..runtime import get_local_size
+            poll_s = 50e-6 if get_local_size() > (os.cpu_count() or 1) else 0.0
+        self.poll_s = float(poll_s)
         self._shapes: dict = {}
         self._meta_base = 2 * self.schedule.stages * self.schedule.pipes * micro_batches
 
@@ -135,6 +148,7 @@ class Pipeline(torch.nn.Module):
         reductions: list = []
         loss_sum = torch.zeros(1, dtype=torch.float64)
         last = self.schedule.stages - 1
+        waited, started = 0.0, time.perf_counter()
         for a in self.actions:
             k = (a.pipe, a.stage, a.micro, a.tensor)
             if a.kind == "recv":
@@ -153,7 +167,9 @@ class Pipeline(torch.nn.Module):
                     inbox[k] = buf
                 else:
                     work, buf = pending.pop(k)
-                    work.wait()
+                    t0 = time.perf_counter()
+                    work.wait(self.poll_s)
+                    waited += time.perf_counter() - t0
                     inbox[k] = buf
             elif a.kind == "forward":
                 p, s, m = a.pipe, a.stage, a.micro
@@ -197,11 +213,14 @@ class Pipeline(torch.nn.Module):
                 work = self._replica_groups[a.stage].allreduce(flat, async_op=True)
                 reductions.append((work, flat, params))
             elif a.kind == "sync":
+                t0 = time.perf_counter()
                 for work, _ in sends:
-                    work.wait()
+                    work.wait(self.poll_s)
                 for work, flat, params in reductions:
-                    work.wait()
+                    work.wait(self.poll_s)
                     _unflatten(flat, params)
+                waited += time.perf_counter() - t0
+        self.last_step = {"seconds": time.perf_counter() - started, "waiting": waited}
         if discover:
             self._shapes[key] = shapes
         if self.dp_group is not None:
@@ -224,7 +243,7 @@ class Pipeline(torch.nn.Module):
         sched, group = self.schedule, self.group
         last = sched.stages - 1
         base = 2 * self._meta_base
-        outputs = []
+        outputs, sends = [], []
         for m, x in enumerate(xs):
             for s in range(sched.stages):
                 if sched.rank_of(0, s) != self.rank:
@@ -234,11 +253,13 @@ class Pipeline(torch.nn.Module):
                     x = self._recv_tensor(src, base + 2 * (m * sched.stages + s))
                 y = self._all[s](x)
                 if s < last:
-                    self._send_tensor(y, sched.rank_of(0, s + 1),
-                                      base + 2 * (m * sched.stages + s + 1))
+                    sends += self._send_tensor(y, sched.rank_of(0, s + 1),
+                                               base + 2 * (m * sched.stages + s + 1))
                 else:
                     outputs.append(y)
                 x = y
+        for work, _ in sends:
+            work.wait(self.poll_s)
         owner = sched.rank_of(0, last)
         out = torch.cat(outputs) if self.rank == owner else None
         meta = self._meta(out) if out is not None else torch.zeros(_META, dtype=torch.int64)
@@ -273,10 +294,11 @@ class Pipeline(torch.nn.Module):
         return torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape]
                             + [0] * (_META - 2 - t.dim()), dtype=torch.int64)
 
-    def _send_tensor(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        t = t.contiguous()
-        self.group.send(self._meta(t), dst, tag)
-        self.group.send(t, dst, tag + 1)
+    def _send_tensor(self, t: torch.Tensor, dst: int, tag: int) -> list:
+        """Non-blocking (a rank may send to itself): returns the (work, buffer) pairs."""
+        t, meta = t.contiguous(), self._meta(t)
+        return [(self.group.send(meta, dst, tag, async_op=True), meta),
+                (self.group.send(t, dst, tag + 1, async_op=True), t)]
 
     def _recv_tensor(self, src: int, tag: int) -> torch.Tensor:
         meta = torch.zeros(_META, dtype=torch.int64)
