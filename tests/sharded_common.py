@@ -65,14 +65,14 @@ def reference_optimizer(model, name):
     return cls(params, **kw)
 
 
-def replica_errors(mine: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+def replica_errors(mine: torch.Tensor, ref: torch.Tensor, group=None) -> tuple[float, bool]:
     """(max over ranks of max |mine - reference|, whether every rank holds bitwise the same
-    values): the same verdict on every rank; collective over the world."""
+    values): the same verdict on every rank; collective over ``group`` (the world)."""
     mine = mine.detach().double().reshape(-1)
-    everyone = commlib.allgather(mine.numpy())
+    everyone = commlib.allgather(mine.numpy(), group)
     same = all(np.array_equal(row, everyone[0]) for row in everyone)
     err = np.array([float((mine - ref.detach().double().reshape(-1)).abs().max())])
-    commlib.allreduce(err, commlib.ReduceOp.MAX)
+    commlib.allreduce(err, commlib.ReduceOp.MAX, group)
     return float(err[0]), same
 
 
