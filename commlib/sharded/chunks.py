@@ -38,7 +38,7 @@ class Chunk:
     """A flat, padded chunk of parameters and this rank's shard of it."""
 
     def __init__(self, index: int, slots: list[Slot], shards: int, rank: int,
-                 group_index: int) -> None:
+                 group_index: int, keep_full: bool = False) -> None:
         first = slots[0].param
         self.index = index
         self.slots = slots
@@ -59,12 +59,17 @@ class Chunk:
                 # the full chunk is the shard itself (NO_SHARD): same storage, own leaf
                 self.full = self.shard.detach().requires_grad_(self.requires_grad)
             else:
-                self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone(),
+                # kept gathered (SHARD_GRAD_OP): the shard is this rank's slice of the full
+                # chunk itself, so the parameters are held once
+                mine = flat[lo:lo + self.shard_numel]
+                self.shard = nn.Parameter(mine if keep_full else mine.clone(),
                                           requires_grad=self.requires_grad)
                 self.full = flat.requires_grad_(self.requires_grad)
         self.gathered = True
         self.gathered_version = self.shard._version
         self.views: list[torch.Tensor] = []
+        # [bytes of gathered chunks now, their peak]: shared by a wrapper's chunks
+        self.tracker = [0, 0]
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """New flat padded buffer of ``tensors`` (this chunk's layout)."""
@@ -81,6 +86,7 @@ class Chunk:
         if self.shards > 1 and self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
+            self.tracker[0] -= self.padded * self.full.element_size()
 
     def fill(self, flat: torch.Tensor) -> None:
         """(Re)allocate the gathered chunk's memory and copy ``flat`` into it, keeping the
@@ -90,6 +96,8 @@ class Chunk:
         nbytes = self.padded * self.full.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
+            self.tracker[0] += nbytes
+            self.tracker[1] = max(self.tracker[1], self.tracker[0])
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
             self.full.detach().copy_(flat)
 
@@ -122,7 +130,7 @@ class Chunk:
 
 
 def plan(module: nn.Module, cap_bytes: int, shards: int, rank: int,
-         group_of: dict[int, int]) -> list[Chunk]:
+         group_of: dict[int, int], keep_full: bool = False) -> list[Chunk]:
     """Chunks over ``module``'s parameters (deduplicated, registration order), keyed by
     dtype, device, ``requires_grad`` and ``group_of[id(param)]`` (default 0)."""
     slots: dict[int, Slot] = {}
@@ -150,7 +158,8 @@ def plan(module: nn.Module, cap_bytes: int, shards: int, rank: int,
         members.append(slot)
     done.extend((members, key[3]) for key, members in open_.items() if members)
     done.sort(key=lambda item: order.index(item[0][0]))
-    chunks = [Chunk(i, members, shards, rank, g) for i, (members, g) in enumerate(done)]
+    chunks = [Chunk(i, members, shards, rank, g, keep_full)
+              for i, (members, g) in enumerate(done)]
     for chunk in chunks:
         mods = {id(m): m for s in chunk.slots for m, _ in s.owners}
         chunk.modules = list(mods.values())

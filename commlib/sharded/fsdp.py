@@ -104,8 +104,14 @@ class FullyShardedDataParallel(nn.Module):
         self._group_options, group_of = _state.parse_param_groups(module, param_groups, rank)
         shards = 1 if self.sharding_strategy is ShardingStrategy.NO_SHARD else self.world_size
         cap = max(1, int(chunk_size_mb * (1 << 20)))
-        chunks = plan(module, cap, shards, self.rank, group_of)
+        chunks = plan(module, cap, shards, self.rank, group_of,
+                      keep_full=self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP)
         self._chunks: list[Chunk] = chunks
+        self._gathered_bytes = [0, 0]      # gathered chunks now, and their peak
+        for c in chunks:
+            c.tracker = self._gathered_bytes
+            if c.shards > 1:
+                self._gathered_bytes[0] += c.padded * c.full.element_size()
         self._names = _state.record_names(module)
         detach_parameters(chunks)
         self._flat_params = nn.ParameterList([c.shard for c in chunks])
@@ -115,6 +121,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._full_shard:
             for c in chunks:
                 c.free()
+        self._gathered_bytes[1] = self._gathered_bytes[0]
         threaded = runtime.thread_multiple()
         if not threaded:
             warnings.warn("commlib: MPI lacks MPI_THREAD_MULTIPLE; gradient exchange will not "
@@ -276,16 +283,28 @@ class FullyShardedDataParallel(nn.Module):
         named; pass it to a ``torch.optim`` optimizer."""
         return _state.sharded_param_groups(self._chunks, self._group_options)
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: ``params`` (shards plus gathered chunks), ``grads``
-        (shard gradients plus full gradients still held)."""
-        params = sum(c.shard.numel() * c.shard.element_size() for c in self._chunks)
-        params += sum(c.state_bytes()["full"] for c in self._chunks)
+    def memory_bytes(self, reset_peak: bool = False) -> dict[str, int]:
+        """Bytes this rank holds now: ``params`` (shards plus gathered chunks, the shard
+        counted once where it is a slice of a gathered chunk), ``grads`` (shard gradients
+        plus full gradients still held), ``peak_gathered`` (the most bytes of gathered
+        FULL_SHARD chunks held at once since construction or the last ``reset_peak=True``)
+        and ``recv`` (the gathers' receive buffers)."""
+        params = 0
+        for c in self._chunks:
+            full = c.state_bytes()["full"]
+            aliased = c.shards > 1 and c.shard.data_ptr() == c.full.data_ptr() + (
+                c.rank * c.shard_numel * c.full.element_size()) and full
+            params += full + (0 if aliased else c.shard.numel() * c.shard.element_size())
         grads = sum(c.shard.grad.numel() * c.shard.grad.element_size()
                     for c in self._chunks if c.shard.grad is not None)
         grads += sum(c.full.grad.numel() * c.full.grad.element_size()
                      for c in self._chunks if c.full.grad is not None)
-        return {"params": params, "grads": grads}
+        recv = sum(t.numel() * t.element_size() for t in self._recv.values())
+        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1],
+               "recv": recv}
+        if reset_peak:
+            self._gathered_bytes[1] = self._gathered_bytes[0]
+        return out
 
     # -- state dicts --------------------------------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
