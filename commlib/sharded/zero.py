@@ -4,7 +4,7 @@ Each parameter is owned by one rank of the group, chosen greedily (largest first
 rank that owns the fewest elements so far, param group by param group: the rule of
 ``torch.distributed.optim.ZeroRedundancyOptimizer``). Each rank builds ``optimizer_class``
 over the parameters it owns only, so it holds and updates 1/N of the optimizer state; after
-its local step the updated parameters travel to every rank in one ``allgather_v`` per dtype
+its local step the updated parameters travel to every rank in one ``allgather`` per dtype
 and device (counted in ``commlib.stats()``). Gradients must already be averaged when
 ``step()`` runs (by :class:`commlib.DistributedDataParallel`, or by the caller).
 """
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import runtime
-from ..primitives import allgather, allgather_v, gather, new_group
+from ..primitives import allgather, gather, new_group
 from .groups import resolve_group
 
 
@@ -121,6 +121,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _gather_parameters(self) -> None:
+        """One ``allgather`` per dtype and device of each rank's owned parameters, padded
+        to the largest rank's count (``allgather_v`` is avoided: MPICH 5.0's
+        ``MPI_Allgatherv`` took 158 ms where ``MPI_Allgather`` took 3.6 ms for 1.8 MB per
+        rank at 2 ranks, raw mpi4py, on the development machine)."""
         if self.world_size == 1:
             return
         by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -128,17 +132,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             by_kind.setdefault((str(p.dtype), str(p.device)), []).append(p)
         for key in sorted(by_kind):
             params = by_kind[key]
-            mine = [p for p in params if self._owner[id(p)] == self.rank]
+            counts = [0] * self.world_size
+            for p in params:
+                counts[self._owner[id(p)]] += p.numel()
+            width = max(counts)
             template = params[0]
-            flat = (torch.cat([p.detach().reshape(-1) for p in mine]) if mine else
-                    torch.empty(0, dtype=template.dtype, device=template.device))
-            pieces = allgather_v(flat, self.process_group)
+            send = torch.zeros(width, dtype=template.dtype, device=template.device)
+            offset = 0
+            for p in params:
+                if self._owner[id(p)] == self.rank:
+                    send[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+                    offset += p.numel()
+            rows = allgather(send, self.process_group)
             offsets = [0] * self.world_size
             for p in params:
                 r = self._owner[id(p)]
                 n = p.numel()
                 if r != self.rank:
-                    p.copy_(pieces[r][offsets[r]:offsets[r] + n].view_as(p))
+                    p.copy_(rows[r, offsets[r]:offsets[r] + n].view_as(p))
                 offsets[r] += n
 
     # -- state ---------------------------------------------------------------------------
