@@ -127,6 +127,14 @@ class FullyShardedDataParallel(nn.Module):
             warnings.warn("commlib: MPI lacks MPI_THREAD_MULTIPLE; gradient exchange will not "
                           "overlap with backward", RuntimeWarning, stacklevel=2)
         self._engine = Engine(threaded, name="commlib-fsdp")
+        # Gathers run on a thread of their own (so a prefetched chunk arrives while the
+        # caller computes), in the order the caller requests them, identical on every rank.
+        self._gather_engine = Engine(threaded, name="commlib-fsdp-gather")
+        self._inflight: dict[int, tuple[Any, int]] = {}   # chunk -> (future, shard version)
+        self.prefetch = 1 if self._full_shard else len(chunks)
+        self._order: list[int] | None = None   # chunks in first-use order (first forward)
+        self._order_rec: list[int] = []
+        self._saved: set[int] = set()          # chunks autograd saved views of
         self._sync = True
         self._pending: list[tuple[Chunk, Any]] = []
         self._backward_started = False
@@ -135,29 +143,43 @@ class FullyShardedDataParallel(nn.Module):
         self._last_use: dict[int, int] | None = None   # chunk index -> post-hook sequence
         self._seq = 0
         self._active: dict[int, int] = {}
-        if self._full_shard:
+        self._fresh: set[int] = set()
+        if self.sharding_strategy is not ShardingStrategy.NO_SHARD:
             for m in {id(m): m for c in chunks for m in c.modules}.values():
                 self._handles.append(m.register_forward_pre_hook(self._pre_forward))
                 self._handles.append(m.register_forward_hook(self._post_forward))
-        self._recv: dict[tuple, torch.Tensor] = {}   # receive buffers of the gathers
         self._closed = False
+
+    def _run(self, fn: Any, *args: Any) -> Any:
+        """Run a collective on the gather communicator, after the gathers queued before."""
+        return self._gather_engine.submit(fn, *args).result()
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, with the chunks it uses gathered (see the class doc)."""
-        if not self._full_shard:
-            for c in self._chunks:
-                if c.stale():
-                    self._gather(c)
         self._seq = 0
         self._active = {}
         self._recording: dict[int, int] = {}
-        self._fresh: set[int] = set()   # FULL_SHARD: chunks whose views this forward made
+        self._fresh = set()   # FULL_SHARD: chunks whose views this forward made
+        self._saved = set()
         if not self._full_shard:
+            # SHARD_GRAD_OP: every chunk whose shard changed is re-gathered, all requests
+            # at once; each module waits for its own chunks in its pre-hook
+            for i in self._order or range(len(self._chunks)):
+                self._request(self._chunks[i])
             for c in self._chunks:
                 c.set_views()
-            return self.module(*args, **kwargs)
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                for c in self._chunks:
+                    if c.stale():
+                        self._gather(c)
+                if self._order is None:
+                    self._order = self._order_rec
         try:
+            if self._order is not None and self._order:
+                self._request(self._chunks[self._order[0]])
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
         finally:
@@ -165,28 +187,57 @@ class FullyShardedDataParallel(nn.Module):
                 c.free()
             if self._last_use is None:
                 self._last_use = dict(self._recording)
+                self._order = self._order_rec
+
+    def _request(self, c: Chunk) -> None:
+        """Start gathering chunk ``c`` (if it is stale and not already under way)."""
+        if c.shards == 1 or c.index in self._inflight or not c.stale():
+            return
+        future = self._gather_engine.submit(allgather, c.shard.detach(), self.process_group,
+                                            True)
+        self._inflight[c.index] = (future, c.shard._version)
 
     def _gather(self, c: Chunk) -> None:
-        """All-gather chunk ``c`` from the shards (collective over the group)."""
+        """Make chunk ``c`` gathered now (waiting for its request, or making one)."""
         if c.shards > 1:
-            key = (c.dtype, c.device)
-            out = self._recv.get(key)
-            if out is None:  # one receive buffer per dtype and device: the largest chunk
-                size = max(o.padded for o in self._chunks if (o.dtype, o.device) == key)
-                out = self._recv[key] = torch.empty(size, dtype=c.dtype, device=c.device)
-            c.fill(allgather(c.shard.detach(), self.process_group, out=out[:c.padded]))
+            item = self._inflight.pop(c.index, None)
+            if item is not None and item[1] != c.shard._version:
+                item[0].result()          # gathered before the shard changed: discarded
+                item = None
+            if item is None:
+                self._request(c)
+                item = self._inflight.pop(c.index)
+            c.fill(item[0].result().result().reshape(-1))
         c.mark_gathered()
+        if self._order is None and c.index not in self._order_rec:
+            self._order_rec.append(c.index)
+
+    def _prefetch_after(self, c: Chunk, step: int) -> None:
+        """Request the next ``self.prefetch`` chunks after ``c`` in first-use order
+        (``step=-1``: before it, for backward, only chunks autograd saved views of)."""
+        if self._order is None or c.index not in self._order:
+            return
+        pos = self._order.index(c.index)
+        seq = self._order[pos + 1:] if step > 0 else self._order[:pos][::-1]
+        if step < 0:
+            seq = [i for i in seq if i in self._saved]
+        for i in seq[:self.prefetch]:
+            self._request(self._chunks[i])
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         for c in self._owned.get(id(module), ()):
             self._active[c.index] = self._active.get(c.index, 0) + 1
             if c.stale():
                 self._gather(c)
-            if c.index not in self._fresh:
+                if self._full_shard:
+                    self._prefetch_after(c, 1)
+            if self._full_shard and c.index not in self._fresh:
                 c.set_views()   # under this forward's grad mode, on gathered memory
                 self._fresh.add(c.index)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._full_shard:
+            return
         self._seq += 1
         first = self._last_use is None
         for c in self._owned.get(id(module), ()):
@@ -198,12 +249,16 @@ class FullyShardedDataParallel(nn.Module):
 
     def _pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t
-        return self._by_full.get(id(base)), t
+        chunk = self._by_full.get(id(base))
+        if chunk is not None:
+            self._saved.add(chunk.index)
+        return chunk, t
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         chunk, t = packed
         if chunk is not None and not chunk.gathered:
             self._gather(chunk)
+            self._prefetch_after(chunk, -1)
         return t
 
     # -- backward -----------------------------------------------------------------------
@@ -263,14 +318,14 @@ class FullyShardedDataParallel(nn.Module):
             local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
             total = torch.tensor([local], dtype=torch.float64)
             if sharded:
-                allreduce(total, ReduceOp.MAX, self.process_group)
+                self._run(allreduce, total, ReduceOp.MAX, self.process_group)
             total = total[0]
         else:
             local = sum(float(torch.linalg.vector_norm(g.double(), norm_type) ** norm_type)
                         for g in grads)
             total = torch.tensor([local], dtype=torch.float64)
             if sharded:
-                allreduce(total, ReduceOp.SUM, self.process_group)
+                self._run(allreduce, total, ReduceOp.SUM, self.process_group)
             total = total[0] ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
@@ -286,9 +341,9 @@ class FullyShardedDataParallel(nn.Module):
     def memory_bytes(self, reset_peak: bool = False) -> dict[str, int]:
         """Bytes this rank holds now: ``params`` (shards plus gathered chunks, the shard
         counted once where it is a slice of a gathered chunk), ``grads`` (shard gradients
-        plus full gradients still held), ``peak_gathered`` (the most bytes of gathered
-        FULL_SHARD chunks held at once since construction or the last ``reset_peak=True``)
-        and ``recv`` (the gathers' receive buffers)."""
+        plus full gradients still held) and ``peak_gathered`` (the most bytes of gathered
+        FULL_SHARD chunks held at once since construction or the last ``reset_peak=True``;
+        a gather's receive buffer, one chunk per request under way, comes on top)."""
         params = 0
         for c in self._chunks:
             full = c.state_bytes()["full"]
@@ -299,9 +354,7 @@ class FullyShardedDataParallel(nn.Module):
                     for c in self._chunks if c.shard.grad is not None)
         grads += sum(c.full.grad.numel() * c.full.grad.element_size()
                      for c in self._chunks if c.full.grad is not None)
-        recv = sum(t.numel() * t.element_size() for t in self._recv.values())
-        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1],
-               "recv": recv}
+        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1]}
         if reset_peak:
             self._gathered_bytes[1] = self._gathered_bytes[0]
         return out
@@ -340,11 +393,16 @@ class FullyShardedDataParallel(nn.Module):
             self._closed = True
             for h in self._handles:
                 h.remove()
+            for future, _ in self._inflight.values():
+                future.result()
+            self._inflight = {}
             self._engine.close()
+            self._gather_engine.close()
 
     def __del__(self) -> None:
         try:
             self._engine.close(timeout=1.0)
+            self._gather_engine.close(timeout=1.0)
         except Exception:  # noqa: BLE001
             pass
 

@@ -82,7 +82,7 @@ def _full_chunk(fsdp: "FullyShardedDataParallel", c: Chunk, t: torch.Tensor) -> 
     """The whole flat chunk of a shard-shaped tensor ``t`` (collective when sharded)."""
     if c.shards == 1:
         return t.detach()
-    return allgather(t.detach().contiguous(), fsdp.process_group).reshape(-1)
+    return fsdp._run(allgather, t.detach().contiguous(), fsdp.process_group).reshape(-1)
 
 
 def _slice(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
