@@ -14,7 +14,8 @@ reshard_after_forward=False (stage 2) and True (stage 3), each Linear a unit, ov
 
 Memory is counted, not sampled: the bytes of the tensors each rank holds between steps
 (parameters, gradients, optimizer state; a tensor held twice is counted once), plus, for
-FULL_SHARD, the peak of gathered chunks during a step and the gathers' receive buffer. ZeRO
+FULL_SHARD, the peak of gathered chunks during a step (a gather's receive buffer, one chunk
+per request under way, comes on top). ZeRO
 formulas for psi parameters (fp32, N ranks): 16 psi, 8 psi + 8 psi/N, 4 psi + 12 psi/N,
 16 psi/N. Bytes per step are commlib.stats() bus bytes of one step (per rank). Step times:
 median over repetitions of the mean of a block of steps, the slowest rank's, contenders
@@ -102,7 +103,7 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
         def mem(m=m, o=o) -> dict:
             got = m.memory_bytes(reset_peak=True)
             return {"params": got["params"], "grads": got["grads"], "optim": optim_state(o),
-                    "peak_gathered": got["peak_gathered"], "recv": got["recv"]}
+                    "peak_gathered": got["peak_gathered"]}
         out.append(Contender(f"commlib FSDP {strategy}", stage, m, o, mem))
     if "torch" in args.peers:
         import torch.distributed as dist
@@ -200,7 +201,7 @@ def main() -> None:
           f"parameters (fp32), Adam, {n} ranks, batch {args.batch}/rank, "
           f"chunks {args.chunk_mb} MiB\n")
     print("| stage | contender | params | grads | optim state | total | ZeRO formula | "
-          "total/formula | working (recv buffer + peak gathered) | bus bytes/step vs allreduce | "
+          "total/formula | peak gathered chunks | bus bytes/step vs allreduce | "
           f"largest psi in {args.budget_mib:.0f} MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     mib = 1 << 20
@@ -210,7 +211,7 @@ def main() -> None:
         m = memory[c.name]
         total = m["params"] + m["grads"] + m["optim"]
         f = formula(c.stage, psi, n)
-        working = m.get("recv", 0) + (m.get("peak_gathered", 0) if c.stage == 3 else 0)
+        working = m.get("peak_gathered", 0) if c.stage == 3 else 0
         per_param = total / psi
         largest = (args.budget_mib * mib - working) / per_param
         print(f"| {c.stage} | {c.name} | {m['params'] / mib:.2f} MiB | {m['grads'] / mib:.2f} MiB"

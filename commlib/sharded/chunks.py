@@ -45,6 +45,7 @@ class Chunk:
         self.group_index = group_index
         self.dtype, self.device = first.dtype, first.device
         self.requires_grad = first.requires_grad
+        self.keep_full = keep_full and shards > 1
         self.numel = sum(s.numel for s in slots)
         self.shards = shards
         self.padded = -(-self.numel // shards) * shards

@@ -131,6 +131,7 @@ class FullyShardedDataParallel(nn.Module):
         # caller computes), in the order the caller requests them, identical on every rank.
         self._gather_engine = Engine(threaded, name="commlib-fsdp-gather")
         self._inflight: dict[int, tuple[Any, int]] = {}   # chunk -> (future, shard version)
+        self._recv_pool: dict[tuple, list[torch.Tensor]] = {}
         self.prefetch = 1 if self._full_shard else len(chunks)
         self._order: list[int] | None = None   # chunks in first-use order (first forward)
         self._order_rec: list[int] = []
@@ -190,11 +191,20 @@ class FullyShardedDataParallel(nn.Module):
                 self._order = self._order_rec
 
     def _request(self, c: Chunk) -> None:
-        """Start gathering chunk ``c`` (if it is stale and not already under way)."""
+        """Start gathering chunk ``c`` (if it is stale and not already under way). A kept
+        chunk (SHARD_GRAD_OP) is received in place (its shard, a slice of it, is sent from
+        a copy); a FULL_SHARD chunk into a pooled receive buffer, copied in by
+        :meth:`_gather` (memory that MPI wrote through numpy cannot be released)."""
         if c.shards == 1 or c.index in self._inflight or not c.stale():
             return
-        future = self._gather_engine.submit(allgather, c.shard.detach(), self.process_group,
-                                            True)
+        if c.keep_full:
+            send, out = c.shard.detach().clone(), c.full.detach()
+        else:
+            send = c.shard.detach()
+            pool = self._recv_pool.setdefault((c.dtype, c.device, c.padded), [])
+            out = pool.pop() if pool else torch.empty(c.padded, dtype=c.dtype,
+                                                      device=c.device)
+        future = self._gather_engine.submit(allgather, send, self.process_group, True, out)
         self._inflight[c.index] = (future, c.shard._version)
 
     def _gather(self, c: Chunk) -> None:
@@ -202,12 +212,17 @@ class FullyShardedDataParallel(nn.Module):
         if c.shards > 1:
             item = self._inflight.pop(c.index, None)
             if item is not None and item[1] != c.shard._version:
-                item[0].result()          # gathered before the shard changed: discarded
+                received = item[0].result().result()   # gathered before the shard changed
+                if not c.keep_full:
+                    self._recv_pool[(c.dtype, c.device, c.padded)].append(received)
                 item = None
             if item is None:
                 self._request(c)
                 item = self._inflight.pop(c.index)
-            c.fill(item[0].result().result().reshape(-1))
+            received = item[0].result().result()
+            if not c.keep_full:
+                c.fill(received)
+                self._recv_pool[(c.dtype, c.device, c.padded)].append(received)
         c.mark_gathered()
         if self._order is None and c.index not in self._order_rec:
             self._order_rec.append(c.index)
