@@ -11,7 +11,7 @@ import commlib  # noqa: E402
 from sharded_common import (OPTIMIZERS, check_replicas, data, flat, loss_fn,  # noqa: E402
                             make_model, reference_optimizer, replica_errors, two_groups)
 
-STEPS = 8
+STEPS = 6
 
 
 def world():
@@ -61,7 +61,7 @@ def train(name, with_ddp, steps=STEPS, broken=False):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw_two_groups"])   # adam: alone
 def test_parity_beside_ddp(name, one_thread_per_rank):
     history, opt, *_ = train(name, with_ddp=True)
     check_replicas(history)

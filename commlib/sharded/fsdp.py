@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import warnings
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn

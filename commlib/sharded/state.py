@@ -98,7 +98,10 @@ def full_state_dict(fsdp: "FullyShardedDataParallel", prefix: str) -> "OrderedDi
             values[id(s)] = _slice(flat, s)
     out: OrderedDict[str, Any] = OrderedDict()
     for name, entry in _entries(fsdp, prefix).items():
-        out[name] = values[id(entry[1])] if entry[0] == "param" else entry[1]._buffers[entry[2]].detach()
+        if entry[0] == "param":
+            out[name] = values[id(entry[1])]
+        else:
+            out[name] = entry[1]._buffers[entry[2]].detach()
     return out
 
 
