@@ -206,3 +206,60 @@ def test_train_digits_full_shard(capsys, one_thread_per_rank):
     if commlib.get_rank() == 0:
         assert "sharding FULL_SHARD" in out
         assert float(re.search(r"test accuracy ([0-9.]+)", out).group(1)) > 0.5, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("broken", [False, True])
+def test_mixed_precision_float32_compute_float64_master(broken, one_thread_per_rank):
+    """param_dtype=float32 on a float64 model: chunks gathered (half the bytes) and
+    gradients reduced in float32, shards, optimizer state and state_dict in float64; within
+    float32 rounding of the float64 single-process run. Not reducing must be rejected."""
+    from commlib.sharded import MixedPrecision
+    if broken and commlib.get_world_size() == 1:
+        pytest.skip("one rank: nothing to reduce")
+    ref = make_model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    fsdp = commlib.FullyShardedDataParallel(make_model(), "FULL_SHARD", chunk_size_mb=CHUNK_MB,
+                                            mixed_precision=MixedPrecision(torch.float32))
+    if broken:
+        fsdp._exchange = lambda c, grad: grad.view(c.shards, -1)[fsdp.rank].clone()
+    opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+    errors = [step_both(fsdp, opt, ref, ref_opt, s)[0] for s in range(4)]
+    before = commlib.stats().get("allgather", {}).get("bytes", 0)
+    with torch.no_grad():
+        fsdp(batch(0)[0])
+    gathered = commlib.stats().get("allgather", {}).get("bytes", 0) - before
+    fsdp.close()
+    assert all(c.full.dtype == torch.float32 and c.shard.dtype == torch.float64
+               for c in fsdp._chunks)
+    assert all(v.dtype == torch.float64 for s in opt.state.values() for v in s.values()
+               if v.dim())
+    if fsdp.world_size > 1:   # a forward gathers each chunk once, as float32 shards
+        assert gathered == sum(c.shard_numel * 4 for c in fsdp._chunks)
+    if broken:
+        assert max(errors) > 1e-4
+    else:
+        assert max(errors) < 1e-5, errors
+
+
+def test_mixed_precision_bfloat16_trains():
+    from commlib.sharded import MixedPrecision
+    fsdp = commlib.FullyShardedDataParallel(
+        make_model().float(), "FULL_SHARD", chunk_size_mb=CHUNK_MB,
+        mixed_precision=MixedPrecision(torch.bfloat16, torch.float32))
+    opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+    losses = []
+    x, y = batch(0)
+    for _ in range(15):
+        opt.zero_grad()
+        loss = loss_fn(fsdp, x, y)
+        assert loss.dtype == torch.bfloat16
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    fsdp.close()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in fsdp.parameters() if p.requires_grad)
+    assert losses[-1] < 0.8 * losses[0], losses
+    with pytest.raises(TypeError, match="param_dtype"):
+        commlib.FullyShardedDataParallel(make_model(), mixed_precision={"param_dtype": "bf16"})

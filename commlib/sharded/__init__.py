@@ -2,7 +2,8 @@
 optimizer state (stage 1); :class:`FullyShardedDataParallel` shards gradients
 (``SHARD_GRAD_OP``, stage 2) and parameters (``FULL_SHARD``, stage 3) in flat chunks
 (PatrickStar-style)."""
-from .fsdp import FullyShardedDataParallel, ShardingStrategy
+from .fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["FullyShardedDataParallel", "ShardingStrategy", "ZeroRedundancyOptimizer"]
+__all__ = ["FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy",
+           "ZeroRedundancyOptimizer"]

@@ -38,14 +38,20 @@ class Chunk:
     """A flat, padded chunk of parameters and this rank's shard of it."""
 
     def __init__(self, index: int, slots: list[Slot], shards: int, rank: int,
-                 group_index: int, keep_full: bool = False) -> None:
+                 group_index: int, keep_full: bool = False,
+                 compute_dtype: torch.dtype | None = None) -> None:
         first = slots[0].param
         self.index = index
         self.slots = slots
         self.group_index = group_index
         self.dtype, self.device = first.dtype, first.device
         self.requires_grad = first.requires_grad
-        self.keep_full = keep_full and shards > 1
+        # mixed precision: the gathered chunk (what the module computes with) in
+        # compute_dtype, the shard (the optimizer's master copy) in the parameters' dtype
+        self.compute_dtype = compute_dtype if first.is_floating_point() and compute_dtype \
+            else self.dtype
+        self.cast = self.compute_dtype != self.dtype
+        self.keep_full = keep_full and shards > 1 and not self.cast
         self.numel = sum(s.numel for s in slots)
         self.shards = shards
         self.padded = -(-self.numel // shards) * shards
@@ -58,14 +64,15 @@ class Chunk:
             if shards == 1:
                 self.shard = nn.Parameter(flat, requires_grad=self.requires_grad)
                 # the full chunk is the shard itself (NO_SHARD): same storage, own leaf
-                self.full = self.shard.detach().requires_grad_(self.requires_grad)
+                self.full = (flat.to(self.compute_dtype) if self.cast else
+                             self.shard.detach()).requires_grad_(self.requires_grad)
             else:
                 # kept gathered (SHARD_GRAD_OP): the shard is this rank's slice of the full
                 # chunk itself, so the parameters are held once
                 mine = flat[lo:lo + self.shard_numel]
                 self.shard = nn.Parameter(mine if keep_full else mine.clone(),
                                           requires_grad=self.requires_grad)
-                self.full = flat.requires_grad_(self.requires_grad)
+                self.full = flat.to(self.compute_dtype).requires_grad_(self.requires_grad)
         self.gathered = True
         self.gathered_version = self.shard._version
         self.views: list[torch.Tensor] = []
@@ -131,7 +138,8 @@ class Chunk:
 
 
 def plan(module: nn.Module, cap_bytes: int, shards: int, rank: int,
-         group_of: dict[int, int], keep_full: bool = False) -> list[Chunk]:
+         group_of: dict[int, int], keep_full: bool = False,
+         compute_dtype: torch.dtype | None = None) -> list[Chunk]:
     """Chunks over ``module``'s parameters (deduplicated, registration order), keyed by
     dtype, device, ``requires_grad`` and ``group_of[id(param)]`` (default 0)."""
     slots: dict[int, Slot] = {}
@@ -159,7 +167,7 @@ def plan(module: nn.Module, cap_bytes: int, shards: int, rank: int,
         members.append(slot)
     done.extend((members, key[3]) for key, members in open_.items() if members)
     done.sort(key=lambda item: order.index(item[0][0]))
-    chunks = [Chunk(i, members, shards, rank, g, keep_full)
+    chunks = [Chunk(i, members, shards, rank, g, keep_full, compute_dtype)
               for i, (members, g) in enumerate(done)]
     for chunk in chunks:
         mods = {id(m): m for s in chunk.slots for m, _ in s.owners}

@@ -21,6 +21,7 @@ streams are ordered identically on every rank. ``backward()`` returns once every
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import warnings
 from typing import Any, Iterator
@@ -44,6 +45,20 @@ class ShardingStrategy(str, enum.Enum):
     NO_SHARD = "NO_SHARD"              # nothing (data parallelism)
 
 
+@dataclasses.dataclass
+class MixedPrecision:
+    """torch FSDP's mixed-precision policy (torch's own ``MixedPrecision`` works too).
+
+    ``param_dtype``: the gathered chunks (what forward and backward compute with) and the
+    forward inputs; the shards, which the optimizer updates, stay in the parameters' dtype
+    (master weights). ``reduce_dtype``: gradients are reduce-scattered in it (default
+    ``param_dtype``), then stored in the shards' dtype. ``buffer_dtype``: floating-point
+    buffers are cast to it once, at construction."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+
+
 class FullyShardedDataParallel(nn.Module):
     """Shard ``module``'s parameters in flat chunks across the ranks of ``group``.
 
@@ -60,6 +75,9 @@ class FullyShardedDataParallel(nn.Module):
     **options}`` for optimizers with several param groups: chunks never mix two entries;
     :meth:`sharded_param_groups` returns the same dicts over the shards. Every rank must
     run the same forward and backward (the same chunks get gradients) each step.
+    ``mixed_precision``: a :class:`MixedPrecision` (or torch's): compute in
+    ``param_dtype`` (half the bytes gathered), reduce in ``reduce_dtype``, keep the shards
+    and the optimizer in the parameters' dtype.
     """
 
     def __init__(self, module: nn.Module, sharding_strategy: str | ShardingStrategy =
@@ -83,9 +101,10 @@ class FullyShardedDataParallel(nn.Module):
         if not chunk_size_mb > 0:
             raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
                              f"'chunk_size_mb' must be > 0, got {chunk_size_mb!r}")
-        if mixed_precision is not None:
-            raise ValueError(f"FullyShardedDataParallel (rank {rank}): mixed_precision is "
-                             f"not supported yet (use torch.autocast); pass None")
+        self.mixed_precision = mixed_precision
+        param_dtype = _dtype(mixed_precision, "param_dtype", rank)
+        self._reduce_dtype = _dtype(mixed_precision, "reduce_dtype", rank) or param_dtype
+        buffer_dtype = _dtype(mixed_precision, "buffer_dtype", rank)
         if group is not None and process_group is not None:
             raise ValueError(f"FullyShardedDataParallel (rank {rank}): pass 'group' or "
                              f"'process_group', not both")
@@ -105,7 +124,14 @@ class FullyShardedDataParallel(nn.Module):
         shards = 1 if self.sharding_strategy is ShardingStrategy.NO_SHARD else self.world_size
         cap = max(1, int(chunk_size_mb * (1 << 20)))
         chunks = plan(module, cap, shards, self.rank, group_of,
-                      keep_full=self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP)
+                      keep_full=self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP,
+                      compute_dtype=param_dtype)
+        self._param_dtype = param_dtype
+        if buffer_dtype is not None:
+            for m in module.modules():
+                for name, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[name] = b.to(buffer_dtype)
         self._chunks: list[Chunk] = chunks
         self._gathered_bytes = [0, 0]      # gathered chunks now, and their peak
         for c in chunks:
@@ -163,11 +189,16 @@ class FullyShardedDataParallel(nn.Module):
         self._recording: dict[int, int] = {}
         self._fresh = set()   # FULL_SHARD: chunks whose views this forward made
         self._saved = set()
+        if self._param_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self._param_dtype)
         if not self._full_shard:
             # SHARD_GRAD_OP: every chunk whose shard changed is re-gathered, all requests
             # at once; each module waits for its own chunks in its pre-hook
             for i in self._order or range(len(self._chunks)):
-                self._request(self._chunks[i])
+                c = self._chunks[i]
+                if c.shards == 1 and c.stale():
+                    self._gather(c)   # NO_SHARD: mixed precision's cast copy, at once
+                self._request(c)
             for c in self._chunks:
                 c.set_views()
             try:
@@ -200,9 +231,9 @@ class FullyShardedDataParallel(nn.Module):
         if c.keep_full:
             send, out = c.shard.detach().clone(), c.full.detach()
         else:
-            send = c.shard.detach()
-            pool = self._recv_pool.setdefault((c.dtype, c.device, c.padded), [])
-            out = pool.pop() if pool else torch.empty(c.padded, dtype=c.dtype,
+            send = c.shard.detach().to(c.compute_dtype)
+            pool = self._recv_pool.setdefault((c.compute_dtype, c.device, c.padded), [])
+            out = pool.pop() if pool else torch.empty(c.padded, dtype=c.compute_dtype,
                                                       device=c.device)
         future = self._gather_engine.submit(allgather, send, self.process_group, True, out)
         self._inflight[c.index] = (future, c.shard._version)
@@ -214,7 +245,7 @@ class FullyShardedDataParallel(nn.Module):
             if item is not None and item[1] != c.shard._version:
                 received = item[0].result().result()   # gathered before the shard changed
                 if not c.keep_full:
-                    self._recv_pool[(c.dtype, c.device, c.padded)].append(received)
+                    self._recv_pool[(c.compute_dtype, c.device, c.padded)].append(received)
                 item = None
             if item is None:
                 self._request(c)
@@ -222,7 +253,9 @@ class FullyShardedDataParallel(nn.Module):
             received = item[0].result().result()
             if not c.keep_full:
                 c.fill(received)
-                self._recv_pool[(c.dtype, c.device, c.padded)].append(received)
+                self._recv_pool[(c.compute_dtype, c.device, c.padded)].append(received)
+        elif c.cast:
+            c.fill(c.shard.detach())
         c.mark_gathered()
         if self._order is None and c.index not in self._order_rec:
             self._order_rec.append(c.index)
@@ -291,6 +324,8 @@ class FullyShardedDataParallel(nn.Module):
         self._pending.append((c, self._engine.submit(self._exchange, c, grad)))
 
     def _exchange(self, c: Chunk, grad: torch.Tensor) -> Any:
+        if self._reduce_dtype is not None:
+            grad = grad.to(self._reduce_dtype)
         if c.shards == 1:
             return allreduce(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
         return reduce_scatter(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
@@ -302,6 +337,7 @@ class FullyShardedDataParallel(nn.Module):
             grad = future.result()
             grad = grad.result() if hasattr(grad, "result") else grad   # a Work, or a tensor
             shard = c.shard
+            grad = grad.to(shard.dtype)
             if shard.grad is None:
                 shard.grad = grad.view_as(shard)
             else:
@@ -424,3 +460,28 @@ class FullyShardedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         return (f"sharding_strategy={self.sharding_strategy.value}, chunks={len(self._chunks)}, "
                 f"rank={self.rank}, world_size={self.world_size}")
+
+
+def _dtype(mixed_precision: Any, name: str, rank: int) -> torch.dtype | None:
+    """``mixed_precision.<name>`` (torch's ``MixedPrecision`` or commlib's, or a dict)."""
+    if mixed_precision is None:
+        return None
+    value = (mixed_precision.get(name) if isinstance(mixed_precision, dict)
+             else getattr(mixed_precision, name, None))
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(f"FullyShardedDataParallel (rank {rank}): mixed_precision.{name} must "
+                        f"be a floating-point torch.dtype or None, got {value!r}")
+    return value
+
+
+def _cast(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors inside ``obj`` (tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_cast(o, dtype) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
