@@ -8,8 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import commlib  # noqa: E402
-from sharded_common import (OPTIMIZERS, check_replicas, data, flat, loss_fn,  # noqa: E402
-                            make_model, reference_optimizer, replica_errors, two_groups)
+from sharded_common import (OPTIMIZERS, TOL, check_replicas, data, flat,  # noqa: E402
+                            loss_fn, make_model, reference_optimizer, replica_errors,
+                            two_groups)
 
 STEPS = 6
 
@@ -102,7 +103,7 @@ def test_state_dict_is_the_full_state_and_loads_at_any_size(one_thread_per_rank)
         assert sorted(full["state"]) == sorted(expected["state"])
         for i, st in expected["state"].items():
             for key, value in st.items():
-                torch.testing.assert_close(full["state"][i][key], value, rtol=0, atol=TOL_)
+                torch.testing.assert_close(full["state"][i][key], value, rtol=0, atol=TOL)
     else:
         with pytest.raises(RuntimeError, match="consolidate_state_dict"):
             opt.state_dict()
@@ -126,9 +127,6 @@ def test_state_dict_is_the_full_state_and_loads_at_any_size(one_thread_per_rank)
         ref_opt.step()
         out.append(replica_errors(flat(model2.parameters()), flat(ref.parameters())))
     check_replicas(out)
-
-
-TOL_ = 1e-10
 
 
 @pytest.mark.mpi

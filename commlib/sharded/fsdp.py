@@ -14,9 +14,10 @@ Strategies (torch FSDP's names):
 
 Gradient exchanges start as soon as autograd has accumulated a chunk's gradient
 (post-accumulate-grad hook) and run on a communication thread (the DDP engine), on a
-communicator of their own; gathers run on the caller's thread on another one, so both
-streams are ordered identically on every rank. ``backward()`` returns once every shard's
-``.grad`` holds its averaged gradient.
+communicator of their own; gathers run on a second thread on another communicator
+(FULL_SHARD prefetches the next chunk in first-use order, forward and backward), each
+stream in an order every rank shares. ``backward()`` returns once every shard's ``.grad``
+holds its averaged gradient.
 """
 from __future__ import annotations
 
