@@ -185,6 +185,11 @@ class FullyShardedDataParallel(nn.Module):
     # -- forward ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, with the chunks it uses gathered (see the class doc)."""
+        if self._backward_started:   # the last backward raised: drop what it exchanged
+            pending, self._pending = self._pending, []
+            self._backward_started = False
+            for _, future in pending:
+                future.exception()
         self._seq = 0
         self._active = {}
         self._recording: dict[int, int] = {}
