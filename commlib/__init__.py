@@ -31,6 +31,8 @@ def __getattr__(name: str):
     from importlib import import_module
     if name == "DistributedDataParallel":
         return import_module(".ddp", __name__).DistributedDataParallel
+    if name in ("ZeroRedundancyOptimizer", "FullyShardedDataParallel", "ShardingStrategy"):
+        return getattr(import_module(".sharded", __name__), name)
     if name == "algorithms":
         return import_module(".algorithms", __name__)
     if name in ("Topology", "Grid"):
@@ -48,4 +50,5 @@ __all__ = [
     "init", "is_initialized", "new_group", "new_subgroup", "options", "parallel", "pipeline",
     "recv", "recv_any",
     "reduce", "reduce_scatter", "scatter", "send", "stats", "Topology", "world",
+    "FullyShardedDataParallel", "ShardingStrategy", "ZeroRedundancyOptimizer",
 ]
