@@ -42,7 +42,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CommError", "DistributedDataParallel", "ShardedEmbedding", "ShardedEmbeddingBag", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "CommError", "DistributedDataParallel", "EmbeddingCache", "LookaheadLoader",
+    "ShardedEmbedding", "ShardedEmbeddingBag", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
     "allreduce", "alltoall", "alltoall_v", "barrier", "block_offsets", "block_sizes",
     "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
     "init", "is_initialized", "new_group", "new_subgroup", "options", "recv", "recv_any",

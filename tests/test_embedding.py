@@ -130,14 +130,15 @@ def drop_remote(table, ids, grads, recv_splits):
     return ids[keep], grads[keep]
 
 
-def run(optimizer="adagrad", tau=0, prefetch=False, control=False, steps=6, per_rank=3):
+def run(optimizer="adagrad", tau=0, prefetch=False, control=False, steps=6, per_rank=3,
+        cache=None, inspect=None):
     """Train the sharded model (DDP dense part) and the single-process reference; return
     the largest difference seen (tables and dense parameters, every step)."""
     rank, n = world()
     gen = torch.Generator().manual_seed(3)
     w0 = torch.randn(N, D, dtype=F64, generator=gen)
     emb = commlib.ShardedEmbeddingBag(N, D, mode="mean", optimizer=optimizer, lr=0.2,
-                                      staleness=tau, dtype=F64, _weight=w0)
+                                      staleness=tau, dtype=F64, _weight=w0, cache=cache)
     emb.table.read_log = []
     if control:
         emb.table.apply_filter = drop_remote
@@ -194,6 +195,8 @@ def run(optimizer="adagrad", tau=0, prefetch=False, control=False, steps=6, per_
             coalesced_step(ref_emb, ref.emb.weight)
         final = emb.state_dict()["weight"]
         worst = max(worst, (final - ref.emb.weight.detach()).abs().max().item())
+        if inspect is not None:
+            inspect(emb, w0, final)
     finally:
         emb.close()
         del ddp

@@ -5,10 +5,11 @@ update it row-wise at the owners; ``staleness`` with :class:`PrefetchLoader` (Pe
 :class:`EmbeddingCache` (HET) and :class:`LookaheadLoader` (Bagpipe) relax or schedule the
 exchange.
 """
+from .cache import EmbeddingCache
 from .module import ShardedEmbedding, ShardedEmbeddingBag
 from .prefetch import PrefetchLoader
 from .optim import RowAdagrad, RowOptimizer, RowSGD
 from .table import ShardTable
 
-__all__ = ["PrefetchLoader", "RowAdagrad", "RowOptimizer", "RowSGD", "ShardTable", "ShardedEmbedding",
+__all__ = ["EmbeddingCache", "PrefetchLoader", "RowAdagrad", "RowOptimizer", "RowSGD", "ShardTable", "ShardedEmbedding",
            "ShardedEmbeddingBag"]

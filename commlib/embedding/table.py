@@ -67,6 +67,7 @@ class ShardTable:
         self.closed = 0                    # batches closed by step()
         self.applied = 0                   # batches whose update is applied
         self.backward_seen = False
+        self.closer: Callable[[], None] = self.step  # an attached cache closes batches
         # Test hooks: a list receiving one record per read, and a filter on what an owner
         # applies (a negative control drops the rows other ranks sent).
         self.read_log: list[dict] | None = None
@@ -76,7 +77,7 @@ class ShardTable:
     def begin_training(self) -> None:
         """Local: a training forward runs; the first one after a step opens a batch."""
         if self.trained > self.closed and self.backward_seen:
-            self.step()  # a new forward after a backward: the last batch is over
+            self.closer()  # a new forward after a backward: the last batch is over
         if self.trained == self.closed:
             self.trained += 1
 
@@ -90,7 +91,7 @@ class ShardTable:
         """Account for a new training batch read; apply queued updates first where the
         staleness bound requires it. Returns the batch's index."""
         if self.trained > self.closed and self.backward_seen:
-            self.step()  # at the latest before the next lookup
+            self.closer()  # at the latest before the next lookup
         while self.issued - self.applied > self.staleness:
             if not self.queue:
                 raise RuntimeError(
