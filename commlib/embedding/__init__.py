@@ -6,10 +6,11 @@ update it row-wise at the owners; ``staleness`` with :class:`PrefetchLoader` (Pe
 exchange.
 """
 from .cache import EmbeddingCache
+from .lookahead import LookaheadLoader
 from .module import ShardedEmbedding, ShardedEmbeddingBag
 from .prefetch import PrefetchLoader
 from .optim import RowAdagrad, RowOptimizer, RowSGD
 from .table import ShardTable
 
-__all__ = ["EmbeddingCache", "PrefetchLoader", "RowAdagrad", "RowOptimizer", "RowSGD", "ShardTable", "ShardedEmbedding",
+__all__ = ["EmbeddingCache", "LookaheadLoader", "PrefetchLoader", "RowAdagrad", "RowOptimizer", "RowSGD", "ShardTable", "ShardedEmbedding",
            "ShardedEmbeddingBag"]

@@ -74,7 +74,7 @@ class EmbeddingCache:
         if self.table is not None:
             raise ValueError("EmbeddingCache: this cache already serves a table")
         self.table = table
-        table.closer = self.step
+        table.policy = self
 
     def __len__(self) -> int:
         return len(self.value)

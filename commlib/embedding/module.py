@@ -106,17 +106,11 @@ class _ShardedBase(torch.nn.Module):
         """Close the current batch: apply its embedding update (``staleness=0``) or queue
         it. Called by every ``torch.optim`` optimizer step (a global post hook), so users
         need not call it. Collective over the group."""
-        if self.cache is not None:
-            self.cache.step()
-        else:
-            self._table.step()
+        self._table.policy.step()
 
     def flush(self) -> None:
         """Apply every outstanding update (queued batches, cached writes). Collective."""
-        if self.cache is not None:
-            self.cache.flush()
-        else:
-            self._table.flush()
+        self._table.policy.flush()
 
     def prefetch(self, input: torch.Tensor) -> None:
         """Issue the lookup of a future batch now (its rows arrive in the background);
@@ -129,6 +123,13 @@ class _ShardedBase(torch.nn.Module):
         lookup = _Lookup(self._table, flat)
         self._table.begin_read()
         lookup._get = self._table.fetch(lookup.ids, async_op=True)
+        self._prefetched.append(lookup)
+
+    def _prefetch_ready(self, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        """A lookup whose rows are already here (from a :class:`LookaheadLoader`)."""
+        lookup = _Lookup(self._table, flat)
+        lookup.rows = rows
+        self._table.issued += 1
         self._prefetched.append(lookup)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

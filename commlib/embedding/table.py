@@ -67,7 +67,9 @@ class ShardTable:
         self.closed = 0                    # batches closed by step()
         self.applied = 0                   # batches whose update is applied
         self.backward_seen = False
-        self.closer: Callable[[], None] = self.step  # an attached cache closes batches
+        # What closes batches and flushes: the table itself, or an attached cache or
+        # lookahead schedule (objects with step() and flush()).
+        self.policy: Any = self
         # Test hooks: a list receiving one record per read, and a filter on what an owner
         # applies (a negative control drops the rows other ranks sent).
         self.read_log: list[dict] | None = None
@@ -77,7 +79,7 @@ class ShardTable:
     def begin_training(self) -> None:
         """Local: a training forward runs; the first one after a step opens a batch."""
         if self.trained > self.closed and self.backward_seen:
-            self.closer()  # a new forward after a backward: the last batch is over
+            self.policy.step()  # a new forward after a backward: the last batch is over
         if self.trained == self.closed:
             self.trained += 1
 
@@ -91,7 +93,7 @@ class ShardTable:
         """Account for a new training batch read; apply queued updates first where the
         staleness bound requires it. Returns the batch's index."""
         if self.trained > self.closed and self.backward_seen:
-            self.closer()  # at the latest before the next lookup
+            self.policy.step()  # at the latest before the next lookup
         while self.issued - self.applied > self.staleness:
             if not self.queue:
                 raise RuntimeError(
@@ -168,6 +170,21 @@ class ShardTable:
         if self.apply_filter is not None:
             got_ids, got = self.apply_filter(self, got_ids, got, recv)
         self.apply_rows(torch.div(got_ids, self.n, rounding_mode="floor"), got)
+
+    def start_push(self, ids: torch.Tensor, grads: torch.Tensor) -> Callable[[], None]:
+        """:meth:`push` with the gradient exchange in the background: returns a callable
+        that waits for it and applies (call it on every rank, in the same order)."""
+        perm, splits = exchange.route(ids, self.n)
+        recv = exchange.exchange_counts(splits, self.group)
+        ids_work = alltoall_v(ids[perm], splits, recv, group=self.group, async_op=True)
+        grad_work = alltoall_v(grads[perm], splits, recv, group=self.group, async_op=True)
+
+        def finish() -> None:
+            got_ids, got = ids_work.wait(), grad_work.wait()
+            if self.apply_filter is not None:
+                got_ids, got = self.apply_filter(self, got_ids, got, recv)
+            self.apply_rows(torch.div(got_ids, self.n, rounding_mode="floor"), got)
+        return finish
 
     def apply_rows(self, local: torch.Tensor, grads: torch.Tensor) -> None:
         """Local: sum ``grads`` per local row, average over the group, apply."""
