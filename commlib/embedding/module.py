@@ -155,14 +155,20 @@ class _ShardedBase(torch.nn.Module):
             self.cache.invalidate()
 
     def close(self) -> None:
-        """Remove the optimizer hooks (also done when the module is collected)."""
+        """Remove the optimizer hook and free the table's communicator (collective; the
+        module is unusable after)."""
+        self._unhook()
+        if self._table.group.comm is not None:
+            self._table.group.free()
+
+    def _unhook(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._unhook()  # the hook holds a weak reference only; this just tidies up
         except Exception:
             pass
 
