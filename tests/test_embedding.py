@@ -11,7 +11,6 @@ ranks send) must be rejected by the same checker.
 import copy
 from collections import deque
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -8,7 +8,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import commlib  # noqa: E402
 from commlib.embedding import lookahead as la  # noqa: E402
 import test_embedding as te  # noqa: E402
 

@@ -12,5 +12,5 @@ from .prefetch import PrefetchLoader
 from .optim import RowAdagrad, RowOptimizer, RowSGD
 from .table import ShardTable
 
-__all__ = ["EmbeddingCache", "LookaheadLoader", "PrefetchLoader", "RowAdagrad", "RowOptimizer", "RowSGD", "ShardTable", "ShardedEmbedding",
-           "ShardedEmbeddingBag"]
+__all__ = ["EmbeddingCache", "LookaheadLoader", "PrefetchLoader", "RowAdagrad", "RowOptimizer",
+           "RowSGD", "ShardTable", "ShardedEmbedding", "ShardedEmbeddingBag"]
