@@ -35,6 +35,8 @@ def __getattr__(name: str):
                 "embedding"):
         module = import_module(".embedding", __name__)
         return module if name == "embedding" else getattr(module, name)
+    if name in ("ZeroRedundancyOptimizer", "FullyShardedDataParallel", "ShardingStrategy"):
+        return getattr(import_module(".sharded", __name__), name)
     if name == "algorithms":
         return import_module(".algorithms", __name__)
 
@@ -48,4 +50,5 @@ __all__ = [
     "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
     "init", "is_initialized", "new_group", "new_subgroup", "options", "recv", "recv_any",
     "reduce", "reduce_scatter", "scatter", "send", "stats", "world",
+    "FullyShardedDataParallel", "ShardingStrategy", "ZeroRedundancyOptimizer",
 ]
