@@ -101,3 +101,73 @@ def test_ddp_waits_for_gradients_produced_on_a_side_stream():
             torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-10, atol=1e-10)
     finally:
         ddp.close()
+
+
+# -- every algorithm's DDP on CUDA against the same run on CPU ---------------------------
+# Compressed exchanges may differ by one quantization level (the GPU kernels contract a
+# multiply and an add into an FMA); async_model_average averages at times set by a clock.
+TOLERANCE = {"bytegrad": 1e-3, "qadam": 1e-3, "low_precision_decentralized": 1e-3,
+             "async_model_average": 5e-2, "d_kfac": 1e-7, "dp_kfac": 1e-7}
+EXTRA_ARGS = {"qadam": {"warmup_steps": 2}, "local_sgd": {"sync_every": 2}}
+STEPS = 4
+
+
+def _algorithms():
+    from commlib.algorithms import available
+    return available()
+
+
+def train_on(device: str, name: str, steps: int = STEPS) -> list:
+    """``steps`` float64 iterations of the algorithm harness problem on ``device``; the
+    flattened weights after each step (on the CPU), this rank's own replica."""
+    import torch
+    import torch.nn.functional as F
+    from algo_harness import BUCKET_MB, batch_indices, digits, model, param_groups
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    xs, ys = digits(torch.float64)
+    ddp = commlib.DistributedDataParallel(model(torch.float64).to(device), algorithm=name,
+                                          bucket_cap_mb=BUCKET_MB,
+                                          **EXTRA_ARGS.get(name, {}))
+    if name == "qadam":
+        from commlib.algorithms.qadam import QAdamOptimizer
+        opt = QAdamOptimizer(ddp.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(param_groups(ddp.module), lr=0.1, momentum=0.9)
+    snapshots = []
+    try:
+        for step in range(steps):
+            idx = batch_indices(rank, n, step)
+            opt.zero_grad()
+            F.cross_entropy(ddp(xs[idx].to(device)), ys[idx].to(device)).backward()
+            opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            snapshots.append(torch.cat([p.detach().reshape(-1).cpu()
+                                        for p in ddp.module.parameters()]).numpy().copy())
+    finally:
+        ddp.close()
+    return snapshots
+
+
+def same_run(cuda_weights: np.ndarray, cpu_weights: np.ndarray, tol: float) -> bool:
+    """True when every weight of this rank's CUDA replica is within ``tol`` (absolute and
+    relative) of its CPU replica; decided on every rank together."""
+    ok = bool(np.allclose(cuda_weights, cpu_weights, rtol=tol, atol=tol))
+    return bool(commlib.allreduce(np.array([int(ok)]), op=ReduceOp.MIN)[0])
+
+
+@pytest.mark.mpi
+@needs_torch_cuda
+@pytest.mark.parametrize("name", _algorithms())
+def test_ddp_every_algorithm_on_cuda_matches_cpu(name):
+    import torch
+    torch.set_num_threads(1)
+    tol = TOLERANCE.get(name, 1e-9)
+    cpu = train_on("cpu", name)
+    cuda = train_on("cuda", name)
+    for step, (a, b) in enumerate(zip(cuda, cpu)):
+        assert np.all(np.isfinite(a)), f"{name}: non-finite CUDA weights at step {step}"
+        assert same_run(a, b, tol), (f"{name}: CUDA replica differs from the CPU one at "
+                                     f"step {step} by {np.abs(a - b).max():.3g} (tol {tol})")
+    if tol <= 1e-3:  # negative control: the same check rejects the CPU run a step behind
+        assert not same_run(cuda[-1], cpu[-2], tol)
