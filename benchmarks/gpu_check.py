@@ -11,6 +11,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -118,8 +119,8 @@ class Check:
             cmd = [PY, *args, f"--junitxml={junit}/rank-0.xml"]
         else:  # one report per rank: the shell expands the rank MPI gives each process
             rank = "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}"
-            inner = " ".join([f"'{PY}'", *args, "--with-mpi", "--only-mpi",
-                              f"--junitxml='{junit}'/rank-{rank}.xml"])
+            inner = " ".join([shlex.quote(a) for a in (PY, *args, "--with-mpi", "--only-mpi")]
+                             + [f"--junitxml={shlex.quote(str(junit))}/rank-{rank}.xml"])
             cmd = [*self.mpiexec(), "sh", "-c", inner]
         code, out, secs = self.run(cmd, timeout, env)
         counts = junit_counts(sorted(junit.glob("rank-*.xml")))
@@ -166,26 +167,45 @@ def junit_counts(paths: list[Path]) -> dict:
             "failures": sorted(t for t, r in outcome.items() if r in ("failed", "errors"))}
 
 
+PROBE = """
+import importlib.metadata as m, json, platform, sys
+info = {"python": sys.version.split()[0] + " " + platform.machine(), "packages": {}}
+for d in ("torch", "cupy-cuda13x", "cupy-cuda12x", "numba", "numba-cuda", "mpi4py", "mpich",
+          "numpy", "pytest", "pytest-mpi", "pytest-timeout", "hypothesis"):
+    try:
+        info["packages"][d] = m.version(d)
+    except Exception:
+        pass
+try:
+    import torch
+    info["torch_cuda"] = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, device: "
+                          f"{torch.cuda.is_available() and torch.cuda.get_device_name()}")
+except Exception as exc:
+    info["torch_cuda"] = f"torch: {exc!r}"
+try:
+    from mpi4py import MPI
+    info["mpi"] = MPI.Get_library_version().strip()
+except Exception as exc:
+    info["mpi"] = f"mpi4py: {exc!r}"
+print(json.dumps(info))
+"""
+
+
 def environment(check: Check) -> None:
     env: dict[str, Any] = check.report["environment"]
     probes = {
         "gpu": ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                 "--format=csv,noheader"],
-        "python": [PY, "-c", "import sys, platform; print(sys.version.split()[0], "
-                   "platform.machine())"],
-        "packages": [PY, "-c", "import importlib.metadata as m\n"
-                     "for d in ('torch','cupy-cuda13x','cupy-cuda12x','numba','numba-cuda',"
-                     "'mpi4py','mpich','numpy','pytest','pytest-mpi'):\n"
-                     "  try: print(d, m.version(d))\n  except Exception: pass"],
-        "torch_cuda": [PY, "-c", "import torch; print(torch.__version__, torch.version.cuda,"
-                       " torch.cuda.is_available() and torch.cuda.get_device_name())"],
-        "mpi": [PY, "-c", "from mpi4py import MPI; print(MPI.Get_library_version().strip())"],
+        "python": [PY, "-c", PROBE],   # one interpreter: versions, torch's CUDA, MPI
         "commlib_info": [PY, "-m", "commlib.info"],
     }
     failed = []
     for key, cmd in probes.items():
         code, out, _ = check.run(cmd, 60)
-        env[key] = out.strip()[-2000:]
+        if key == "python" and code == 0:
+            env.update(json.loads(out.strip().splitlines()[-1]))
+        else:
+            env[key] = out.strip()[-2000:]
         if code != 0 and key != "gpu":
             failed.append(key)
     installed = os.environ.get("GPU_CHECK_INSTALL_LOG")
@@ -212,11 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU machine: CUDA simulator for the kernels, tiny sizes, "
                         "GPU-only stages skipped")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="all stages together (default 420 on a GPU, 100 dry)")
+                   help="all stages together (default 420 on a GPU, 240 dry)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     dry = args.dry_run
-    check = Check(args.out, dry, args.budget_s or (100.0 if dry else 420.0))
+    check = Check(args.out, dry, args.budget_s or (240.0 if dry else 420.0))
     start = time.monotonic()
     sim = {"NUMBA_ENABLE_CUDASIM": "1"}
     mpi_env = {"COMMLIB_TIMEOUT": "60", "OMPI_ALLOW_RUN_AS_ROOT": "1",
