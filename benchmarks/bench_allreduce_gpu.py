@@ -3,7 +3,8 @@
 Every rank holds a float32 torch tensor of each size on its GPU (ranks may share one
 GPU); each sample is one call, all ranks meeting at a barrier first, and its time is the
 slowest rank's (OSU style); the figure is the median. The input is restored from a copy
-before every call, outside the timed region. ``--device cpu`` runs the same on CPU tensors (a dry run of the script).
+before every call, outside the timed region. ``--device cpu`` runs the same on CPU
+tensors (a dry run of the script).
 
     mpiexec -n 2 python benchmarks/bench_allreduce_gpu.py --sizes-mib 1 16 64 --json out.json
 """

@@ -45,13 +45,16 @@ class Check:
         print(text, flush=True)
         self.log.write(text + "\n")
 
-    def run(self, cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, float]:
+    def run(self, cmd: list[str], timeout: float,
+            env: dict | None = None) -> tuple[int, str, float]:
         """Run ``cmd`` in the repo root with its output into the log; returns (exit
         status, output, seconds); status 124 when it outlived ``timeout`` (its whole
         process group is killed)."""
         timeout = max(5.0, min(timeout, self.deadline - time.monotonic()))
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.say(f"$ {' '.join(cmd)}   (timeout {timeout:.0f} s)")
+        shown = " ".join(a.strip().splitlines()[0] + " ..." if "\n" in a.strip() else a
+                         for a in cmd)
+        self.say(f"$ {shown}   (timeout {timeout:.0f} s)")
         start = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
@@ -110,7 +113,11 @@ class Check:
         return cmd
 
     def pytest_stage(self, name: str, files: list[str], timeout: float, ranks: int = 1,
-                     env: dict | None = None, extra: list[str] | None = None) -> dict:
+                     env: dict | None = None, extra: list[str] | None = None,
+                     must_run: bool = False) -> dict:
+        """Run ``files`` under pytest (under ``mpiexec -n ranks`` when ranks > 1) and
+        record the counts. ``must_run``: a stage whose tests all skipped themselves fails
+        (on the GPU machine, a GPU test that skips means the GPU was not usable)."""
         junit = self.tmp / name
         junit.mkdir(exist_ok=True)
         args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE",
@@ -128,8 +135,12 @@ class Check:
                   "fail" if code not in (0, 5) or counts["failed"] or counts["errors"]
                   or not counts["reports"] else
                   "skipped" if counts["passed"] == 0 else "pass")
-        reasons = counts.pop("skip_reasons")
-        reason = "; ".join(sorted(reasons))[:300] if status == "skipped" else ""
+        reasons = "; ".join(sorted(counts.pop("skip_reasons")))[:500]
+        if status == "skipped" and must_run:
+            status, reasons = "fail", f"every test skipped itself on the GPU machine: {reasons}"
+        reason = reasons if status in ("skipped", "fail") else ""
+        if counts["skipped"] and status == "pass":
+            counts["skip_reasons"] = reasons
         return self.stage(name, status, rc=code, seconds=round(secs, 1), ranks=ranks,
                           files=files, reason=reason, **counts)
 
@@ -246,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if dry:
         check.stage("kernels_gpu", reason="dry run: needs a CUDA GPU")
     else:
-        check.pytest_stage("kernels_gpu", ["tests/test_kernels_gpu.py"], 150)
+        check.pytest_stage("kernels_gpu", ["tests/test_kernels_gpu.py"], 150, must_run=True)
     # test_kernels_api's slow test runs test_kernels_cudasim.py in a subprocess: run that
     # file here directly instead of twice
     check.pytest_stage("kernels_cudasim", ["tests/test_kernels_api.py",
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     # on a CPU machine every test of this file skips itself: the stage then shows
     # 'skipped', and the mpiexec path of the script was exercised all the same
     check.pytest_stage("gpu_mpi", ["tests/test_gpu.py"], 60 if dry else 200, ranks=2,
-                       env=mpi_env)
+                       env=mpi_env, must_run=not dry)
     bk = [PY, "benchmarks/bench_kernels_gpu.py"]
     if dry:
         figures(check, "bench_kernels", bk + ["--device", "cpu", "--sizes-mib", "0.002",

@@ -120,5 +120,6 @@ else
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   note "commlib: editable install failed, using PYTHONPATH=$ROOT"
 fi
-nvidia-smi 2>&1 | tee -a "$OUT/gpu_check.log" | head -20
+if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 | tee -a "$OUT/gpu_check.log" | head -20
+else note "no nvidia-smi on this machine"; fi
 exec "$PY" benchmarks/gpu_check.py --out "$OUT" "${EXTRA[@]}"
