@@ -42,6 +42,30 @@ def test_torch_cuda_collectives(dtype, async_op):
 
 
 @pytest.mark.mpi
+@needs_torch_cuda
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_torch_cuda_collectives_on_each_path(path, monkeypatch):
+    """Host staging, and straight to MPI where the library is CUDA-aware: same results."""
+    import torch
+    from commlib.accelerator import cuda_aware
+    if path == "direct" and not cuda_aware("auto")[0]:
+        pytest.skip("the MPI library is not CUDA-aware: GPU buffers are always staged")
+    monkeypatch.setattr(commlib.options, "cuda_aware", "0" if path == "staged" else "1")
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    numel = 100003
+    t = torch.tensor(rank_data(rank, numel, "float32", seed=3), device="cuda")
+    commlib.allreduce(t)
+    np.testing.assert_array_equal(t.cpu().numpy(), expected(numel, 3, n))
+    g = commlib.allgather(t[:999])
+    assert g.device.type == "cuda"
+    np.testing.assert_array_equal(g.cpu().numpy(), np.stack([expected(numel, 3, n)[:999]] * n))
+    a = commlib.alltoall(torch.arange(3 * n, dtype=torch.float64, device="cuda") + 100 * rank)
+    assert a.device.type == "cuda"
+    want = np.concatenate([np.arange(3 * rank, 3 * rank + 3) + 100 * r for r in range(n)])
+    np.testing.assert_array_equal(a.cpu().numpy().ravel(), want)
+
+
+@pytest.mark.mpi
 @needs_cupy
 def test_cupy_collectives():
     import cupy
