@@ -31,6 +31,12 @@ def __getattr__(name: str):
     from importlib import import_module
     if name == "DistributedDataParallel":
         return import_module(".ddp", __name__).DistributedDataParallel
+    if name in ("ShardedEmbeddingBag", "ShardedEmbedding", "EmbeddingCache", "LookaheadLoader",
+                "embedding"):
+        module = import_module(".embedding", __name__)
+        return module if name == "embedding" else getattr(module, name)
+    if name in ("ZeroRedundancyOptimizer", "FullyShardedDataParallel", "ShardingStrategy"):
+        return getattr(import_module(".sharded", __name__), name)
     if name == "algorithms":
         return import_module(".algorithms", __name__)
 
@@ -38,9 +44,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CommError", "DistributedDataParallel", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "CommError", "DistributedDataParallel", "EmbeddingCache", "LookaheadLoader",
+    "ShardedEmbedding", "ShardedEmbeddingBag", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
     "allreduce", "alltoall", "alltoall_v", "barrier", "block_offsets", "block_sizes",
     "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
     "init", "is_initialized", "new_group", "new_subgroup", "options", "recv", "recv_any",
     "reduce", "reduce_scatter", "scatter", "send", "stats", "world",
+    "FullyShardedDataParallel", "ShardingStrategy", "ZeroRedundancyOptimizer",
 ]
