@@ -19,7 +19,7 @@ for arg in "$@"; do
     --fetch-wheels) MODE=fetch ;;
     --dry-run) MODE=dry ;;
     --budget-s=*) EXTRA+=(--budget-s "${arg#*=}") ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$arg' (--fetch-wheels, --dry-run, --budget-s=N)" >&2
        exit 2 ;;
   esac
