@@ -31,18 +31,31 @@ def __getattr__(name: str):
     from importlib import import_module
     if name == "DistributedDataParallel":
         return import_module(".ddp", __name__).DistributedDataParallel
+    if name in ("ShardedEmbeddingBag", "ShardedEmbedding", "EmbeddingCache", "LookaheadLoader",
+                "embedding"):
+        module = import_module(".embedding", __name__)
+        return module if name == "embedding" else getattr(module, name)
+    if name in ("ZeroRedundancyOptimizer", "FullyShardedDataParallel", "ShardingStrategy"):
+        return getattr(import_module(".sharded", __name__), name)
     if name == "algorithms":
         return import_module(".algorithms", __name__)
     if name in ("nn", "hooks", "timeline"):
         return import_module("." + name, __name__)
+    if name in ("Topology", "Grid"):
+        return getattr(import_module(".topology", __name__), name)
+    if name in ("parallel", "pipeline"):
+        return import_module(f".{name}", __name__)
 
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 
 
 __all__ = [
-    "CommError", "DistributedDataParallel", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "CommError", "DistributedDataParallel", "EmbeddingCache", "Grid", "LookaheadLoader",
+    "ShardedEmbedding", "ShardedEmbeddingBag", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
     "allreduce", "alltoall", "alltoall_v", "barrier", "block_offsets", "block_sizes",
     "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
-    "init", "is_initialized", "new_group", "new_subgroup", "options", "recv", "recv_any",
-    "reduce", "reduce_scatter", "scatter", "send", "stats", "world",
+    "init", "is_initialized", "new_group", "new_subgroup", "options", "parallel", "pipeline",
+    "recv", "recv_any",
+    "reduce", "reduce_scatter", "scatter", "send", "stats", "Topology", "world",
+    "FullyShardedDataParallel", "ShardingStrategy", "ZeroRedundancyOptimizer",
 ]

@@ -42,6 +42,30 @@ def test_torch_cuda_collectives(dtype, async_op):
 
 
 @pytest.mark.mpi
+@needs_torch_cuda
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_torch_cuda_collectives_on_each_path(path, monkeypatch):
+    """Host staging, and straight to MPI where the library is CUDA-aware: same results."""
+    import torch
+    from commlib.accelerator import cuda_aware
+    if path == "direct" and not cuda_aware("auto")[0]:
+        pytest.skip("the MPI library is not CUDA-aware: GPU buffers are always staged")
+    monkeypatch.setattr(commlib.options, "cuda_aware", "0" if path == "staged" else "1")
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    numel = 100003
+    t = torch.tensor(rank_data(rank, numel, "float32", seed=3), device="cuda")
+    commlib.allreduce(t)
+    np.testing.assert_array_equal(t.cpu().numpy(), expected(numel, 3, n))
+    g = commlib.allgather(t[:999])
+    assert g.device.type == "cuda"
+    np.testing.assert_array_equal(g.cpu().numpy(), np.stack([expected(numel, 3, n)[:999]] * n))
+    a = commlib.alltoall(torch.arange(3 * n, dtype=torch.float64, device="cuda") + 100 * rank)
+    assert a.device.type == "cuda"
+    want = np.concatenate([np.arange(3 * rank, 3 * rank + 3) + 100 * r for r in range(n)])
+    np.testing.assert_array_equal(a.cpu().numpy().ravel(), want)
+
+
+@pytest.mark.mpi
 @needs_cupy
 def test_cupy_collectives():
     import cupy
@@ -101,3 +125,73 @@ def test_ddp_waits_for_gradients_produced_on_a_side_stream():
             torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-10, atol=1e-10)
     finally:
         ddp.close()
+
+
+# -- every algorithm's DDP on CUDA against the same run on CPU ---------------------------
+# Compressed exchanges may differ by one quantization level (the GPU kernels contract a
+# multiply and an add into an FMA); async_model_average averages at times set by a clock.
+TOLERANCE = {"bytegrad": 1e-3, "qadam": 1e-3, "low_precision_decentralized": 1e-3,
+             "async_model_average": 5e-2, "d_kfac": 1e-7, "dp_kfac": 1e-7}
+EXTRA_ARGS = {"qadam": {"warmup_steps": 2}, "local_sgd": {"sync_every": 2}}
+STEPS = 4
+
+
+def _algorithms():
+    from commlib.algorithms import available
+    return available()
+
+
+def train_on(device: str, name: str, steps: int = STEPS) -> list:
+    """``steps`` float64 iterations of the algorithm harness problem on ``device``; the
+    flattened weights after each step (on the CPU), this rank's own replica."""
+    import torch
+    import torch.nn.functional as F
+    from algo_harness import BUCKET_MB, batch_indices, digits, model, param_groups
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    xs, ys = digits(torch.float64)
+    ddp = commlib.DistributedDataParallel(model(torch.float64).to(device), algorithm=name,
+                                          bucket_cap_mb=BUCKET_MB,
+                                          **EXTRA_ARGS.get(name, {}))
+    if name == "qadam":
+        from commlib.algorithms.qadam import QAdamOptimizer
+        opt = QAdamOptimizer(ddp.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(param_groups(ddp.module), lr=0.1, momentum=0.9)
+    snapshots = []
+    try:
+        for step in range(steps):
+            idx = batch_indices(rank, n, step)
+            opt.zero_grad()
+            F.cross_entropy(ddp(xs[idx].to(device)), ys[idx].to(device)).backward()
+            opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            snapshots.append(torch.cat([p.detach().reshape(-1).cpu()
+                                        for p in ddp.module.parameters()]).numpy().copy())
+    finally:
+        ddp.close()
+    return snapshots
+
+
+def same_run(cuda_weights: np.ndarray, cpu_weights: np.ndarray, tol: float) -> bool:
+    """True when every weight of this rank's CUDA replica is within ``tol`` (absolute and
+    relative) of its CPU replica; decided on every rank together."""
+    ok = bool(np.allclose(cuda_weights, cpu_weights, rtol=tol, atol=tol))
+    return bool(commlib.allreduce(np.array([int(ok)]), op=ReduceOp.MIN)[0])
+
+
+@pytest.mark.mpi
+@needs_torch_cuda
+@pytest.mark.parametrize("name", _algorithms())
+def test_ddp_every_algorithm_on_cuda_matches_cpu(name):
+    import torch
+    torch.set_num_threads(1)
+    tol = TOLERANCE.get(name, 1e-9)
+    cpu = train_on("cpu", name)
+    cuda = train_on("cuda", name)
+    for step, (a, b) in enumerate(zip(cuda, cpu)):
+        assert np.all(np.isfinite(a)), f"{name}: non-finite CUDA weights at step {step}"
+        assert same_run(a, b, tol), (f"{name}: CUDA replica differs from the CPU one at "
+                                     f"step {step} by {np.abs(a - b).max():.3g} (tol {tol})")
+    if tol <= 1e-3:  # negative control: the same check rejects the CPU run a step behind
+        assert not same_run(cuda[-1], cpu[-2], tol)

@@ -21,20 +21,27 @@ def final(out):
     return found[0]
 
 
+def tail(code, out):
+    """What a failed run shows: its exit status and the end of its output (a whole
+    output is cut by pytest before the part that tells why)."""
+    return f"exit status {code}; output ends with:\n{out[-3000:]}"
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_tutorial_script_trains_and_resumes_exactly(tmp_path, n):
     code, _, whole = run_mpi(n, [PROGRAM, "4", str(tmp_path / "whole.pt")], timeout=240)
-    assert code == 0, whole
+    assert code == 0, tail(code, whole)
     assert whole.count("replicas identical: True") == n, whole
     code, _, first = run_mpi(n, [PROGRAM, "2", str(tmp_path / "split.pt")], timeout=240)
-    assert code == 0, first
+    assert code == 0, tail(code, first)
     (tmp_path / "early.pt").write_bytes((tmp_path / "split.pt").read_bytes())
     code, _, second = run_mpi(n, [PROGRAM, "4", str(tmp_path / "split.pt")], timeout=240)
-    assert code == 0, second
+    assert code == 0, tail(code, second)
     assert second.count("resuming from epoch 2") == n, second
     assert final(second) == final(whole)
     # Negative control: a resume that drops the optimizer's momentum must not match.
     (tmp_path / "forgot.pt").write_bytes((tmp_path / "early.pt").read_bytes())
     code, _, forgot = run_mpi(n, [PROGRAM, "4", str(tmp_path / "forgot.pt")], timeout=240,
                               TUTORIAL_FORGET_OPTIMIZER="1")
-    assert code == 0 and final(forgot) != final(whole), forgot
+    assert code == 0, tail(code, forgot)
+    assert final(forgot) != final(whole)

@@ -9,9 +9,11 @@ MASTER_ADDR and MASTER_PORT come from MPI once commlib is imported), ``Distribut
 ``DDP(model, device_ids=None)``, snapshots saved by rank 0 every epoch and resumed from.
 Launch: ``mpiexec -n N python tutorial_program.py EPOCHS SNAPSHOT``. At the end it checks that
 every rank holds the same parameters (``all_gather_object`` over torch.distributed) and
-prints them as hex so a test can compare a resumed run with an uninterrupted one bit for bit.
+prints the SHA-256 of their bytes (a short line that other ranks' output cannot split) so
+a test can compare a resumed run with an uninterrupted one bit for bit.
 """
 import argparse
+import hashlib
 import os
 
 import torch
@@ -90,7 +92,7 @@ def main(total_epochs, snapshot_path):
     identical = all(torch.equal(other, flat) for other in everyone)
     print(f"[rank {os.environ['RANK']}] replicas identical: {identical}", flush=True)
     if os.environ["RANK"] == "0":
-        print("FINAL " + flat.numpy().tobytes().hex(), flush=True)
+        print("FINAL " + hashlib.sha256(flat.numpy().tobytes()).hexdigest(), flush=True)
     del trainer  # DDP models go before the process group (as torch's own DDP needs)
     destroy_process_group()
     if not identical:

@@ -7,9 +7,11 @@ progress bar and, per epoch, the global mean loss, training accuracy and samples
 job ends with the test accuracy. The data set ships inside scikit-learn: nothing is
 downloaded. Algorithm options are passed as ``--algo-arg key=value`` (values parsed as
 Python literals), e.g. ``--algorithm gradient_allreduce --algo-arg hierarchical=True`` or
-``--algo-arg comm_dtype=bf16``. ``--sync-bn`` turns the batch-norm layers into
-:class:`commlib.nn.SyncBatchNorm` (statistics over all ranks' batches); ``--timeline PATH``
-writes a Chrome trace of every collective and bucket exchange per rank
+``--algo-arg comm_dtype=bf16``. ``--sharding FULL_SHARD`` (or ``SHARD_GRAD_OP``,
+``NO_SHARD``) trains with ``commlib.FullyShardedDataParallel`` instead; ``--sharding ZERO1``
+keeps DDP and shards the optimizer state with ``commlib.ZeroRedundancyOptimizer``.
+``--sync-bn`` turns the batch-norm layers into :class:`commlib.nn.SyncBatchNorm` (statistics over all ranks' batches);
+``--timeline PATH`` writes a Chrome trace of every collective and bucket exchange per rank
 (``PATH.rank{r}.json``) and, on rank 0, the merged ``PATH.json`` (open it in Perfetto).
 """
 from __future__ import annotations
@@ -47,6 +49,9 @@ class DigitsCNN(nn.Module):
         x = F.relu(self.bn1(self.conv1(x)))
         x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
         return self.fc(x.flatten(1))
+
+
+SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "ZERO1")
 
 
 def load_digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -111,6 +116,10 @@ def train_epoch(ddp: nn.Module, loader: DataLoader, opt: torch.optim.Optimizer,
 
 def make_optimizer(args: argparse.Namespace, ddp: nn.Module) -> torch.optim.Optimizer:
     name = args.optimizer or ("qadam" if args.algorithm == "qadam" else "sgd")
+    if args.sharding == "ZERO1" and name in ("sgd", "adam"):
+        cls, kw = ((torch.optim.SGD, {"lr": args.lr, "momentum": args.momentum})
+                   if name == "sgd" else (torch.optim.Adam, {"lr": args.lr / 10}))
+        return commlib.ZeroRedundancyOptimizer(ddp.parameters(), cls, **kw)
     if name == "sgd":
         return torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
     lr = args.lr / 10  # Adam's steps are normalized: a tenth of SGD's rate
@@ -151,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", metavar="PATH", default=None,
                    help="write a Chrome trace per rank (PATH.rankR.json) and the merged "
                         "PATH.json (open in https://ui.perfetto.dev)")
+    p.add_argument("--sharding", choices=SHARDING, default=None,
+                   help="FULL_SHARD / SHARD_GRAD_OP / NO_SHARD: FullyShardedDataParallel "
+                        "(ZeRO-3 / ZeRO-2 / plain); ZERO1: DDP with ZeroRedundancyOptimizer")
     args = p.parse_args(argv)
+    if args.sharding not in (None, "ZERO1") and (args.algorithm != "gradient_allreduce"
+                                                 or args.optimizer == "qadam"):
+        p.error("--sharding FULL_SHARD/SHARD_GRAD_OP/NO_SHARD replaces DDP's algorithm: "
+                "use it without --algorithm and --optimizer qadam")
 
     if args.timeline:
         commlib.options.timeline = args.timeline  # commlib.init() starts the trace
@@ -167,12 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     model: nn.Module = DigitsCNN()
     if args.sync_bn:
         model = commlib.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp = commlib.DistributedDataParallel(model, algorithm=args.algorithm,
-                                          bucket_cap_mb=args.bucket_cap_mb,
-                                          **parse_algo_args(args.algo_arg))
+    fsdp = args.sharding not in (None, "ZERO1")
+    if fsdp:
+        ddp = commlib.FullyShardedDataParallel(model, args.sharding)
+    else:
+        ddp = commlib.DistributedDataParallel(model, algorithm=args.algorithm,
+                                              bucket_cap_mb=args.bucket_cap_mb,
+                                              **parse_algo_args(args.algo_arg))
     opt = make_optimizer(args, ddp)
     if rank == 0:
-        print(f"commlib {commlib.__version__}: {n} ranks, algorithm {ddp.algorithm!r}, "
+        how = f"sharding {args.sharding}" if fsdp else f"algorithm {ddp.algorithm!r}"
+        how += ", ZeroRedundancyOptimizer" if args.sharding == "ZERO1" else ""
+        print(f"commlib {commlib.__version__}: {n} ranks, {how}, "
               f"{len(train_set)} training / {len(test_set)} test digits", flush=True)
     bar = None
     if rank == 0 and not args.no_progress:
@@ -191,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     # Decentralized and local algorithms leave replicas that differ: evaluate their average.
-    ddp.average_parameters()
-    accuracy = evaluate(ddp.module, test_set, rank, n)
+    if fsdp:   # the wrapper gathers the sharded parameters for its forward
+        accuracy = evaluate(ddp, test_set, rank, n)
+    else:
+        ddp.average_parameters()
+        accuracy = evaluate(ddp.module, test_set, rank, n)
     if rank == 0:
         sent = accounting.total(commlib.stats(), "bytes")
         print(f"test accuracy {accuracy:.4f}  (bytes rank 0 handed to MPI: {sent:,})",

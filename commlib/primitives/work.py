@@ -57,9 +57,20 @@ class Work:
             self._advance()
         return self._done
 
-    def wait(self) -> Any:
-        """Block until done; return the result (see the class docstring)."""
+    def wait(self, poll_s: float = 0.0) -> Any:
+        """Block until done; return the result (see the class docstring).
+
+        ``poll_s > 0``: test the operation and sleep ``poll_s`` seconds between tests
+        instead of blocking in MPI (whose wait spins), leaving the core to other processes
+        when ranks outnumber cores; under the watchdog deadline all the same."""
         comm = self._comm
+        if poll_s > 0 and not self._done:
+            comm.arm(self._op, self._what)
+            try:
+                while not self.is_completed():
+                    sleep(poll_s)
+            finally:
+                comm.disarm()
         while not self._done:
             comm.arm(self._op, self._what)
             try:

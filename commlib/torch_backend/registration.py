@@ -6,17 +6,20 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from .. import runtime
+from .. import runtime, shutdown
 from ..errors import CommError
 from ..primitives import allgather, group_from_ranks, new_group
-from . import BACKEND_NAME
+from . import BACKEND_NAME, stale_groups
 from .process_group import ProcessGroupCommlib
 
 
 def register() -> None:
     """Register the ``commlib`` backend with torch.distributed (idempotent): CPU and CUDA
     tensors, the extended creator API. The defaults torch picks for a device (gloo for
-    CPU, nccl for CUDA) are left as they are: ``commlib`` is used where it is asked for."""
+    CPU, nccl for CUDA) are left as they are: ``commlib`` is used where it is asked for.
+    Also arranges for process groups that torch modules keep alive after
+    ``destroy_process_group()`` to be freed at exit (:mod:`.stale_groups`)."""
+    shutdown.register(stale_groups.RELEASER)
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,

@@ -1,0 +1,237 @@
+"""Sharded data parallelism (ZeRO stages 0-3): memory per rank against the ZeRO formulas,
+bytes per step against the allreduce baseline, and step time against torch's
+``ZeroRedundancyOptimizer`` and torch FSDP2 (``fully_shard``) over gloo, in one mpiexec job.
+
+    mpiexec -n 2 python benchmarks/bench_zero.py [--width 512 --depth 4 --json out.json]
+
+Stages, all fp32 Adam (K = 8 bytes of state per parameter) on the same WideMLP:
+  0  commlib.DistributedDataParallel + torch.optim.Adam
+  1  commlib.DistributedDataParallel + commlib.ZeroRedundancyOptimizer(Adam)
+  2  commlib.FullyShardedDataParallel(SHARD_GRAD_OP) + Adam over the shards
+  3  commlib.FullyShardedDataParallel(FULL_SHARD) + Adam over the shards
+Peers: torch DDP + torch ZeroRedundancyOptimizer (stage 1), torch fully_shard with
+reshard_after_forward=False (stage 2) and True (stage 3), each Linear a unit, over gloo.
+
+Memory is counted, not sampled: the bytes of the tensors each rank holds between steps
+(parameters, gradients, optimizer state; a tensor held twice is counted once), plus, for
+FULL_SHARD, the peak of gathered chunks during a step (a gather's receive buffer, one chunk
+per request under way, comes on top). ZeRO
+formulas for psi parameters (fp32, N ranks): 16 psi, 8 psi + 8 psi/N, 4 psi + 12 psi/N,
+16 psi/N. Bytes per step are commlib.stats() bus bytes of one step (per rank). Step times:
+median over repetitions of the mean of a block of steps, the slowest rank's, contenders
+interleaved block by block.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import commlib  # noqa: E402
+import _common as C  # noqa: E402
+from models import WideMLP  # noqa: E402
+
+
+def slowest(seconds: float) -> float:
+    return float(commlib.allreduce(np.array([seconds]), op="max")[0])
+
+
+def nbytes(tensors) -> int:
+    """Bytes of distinct storages among ``tensors`` (DTensors: their local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def optim_state(opt: torch.optim.Optimizer) -> int:
+    return nbytes(v for s in opt.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+class Contender:
+    def __init__(self, name: str, stage: int, module: Any, opt: Any, memory: Callable,
+                 counted: bool = True) -> None:
+        self.name, self.stage, self.module, self.opt = name, stage, module, opt
+        self.memory, self.counted = memory, counted
+        self.times: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.opt.zero_grad()
+        F.cross_entropy(self.module(x), y).backward()
+        self.opt.step()
+
+
+def contenders(args: argparse.Namespace) -> list[Contender]:
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return WideMLP(d_in=args.d_in, width=args.width, depth=args.depth)
+
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-4)
+
+    out = []
+    m = commlib.DistributedDataParallel(model())
+    o = adam(m.parameters())
+    out.append(Contender("commlib DDP", 0, m, o, lambda m=m, o=o: {
+        "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
+        "optim": optim_state(o)}))
+    m = commlib.DistributedDataParallel(model())
+    o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
+    out.append(Contender("commlib ZeRO-1", 1, m, o, lambda m=m, o=o: {
+        "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
+        "optim": optim_state(o.optim)}))
+    for stage, strategy in ((2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")):
+        m = commlib.FullyShardedDataParallel(model(), strategy, chunk_size_mb=args.chunk_mb)
+        o = adam(m.parameters())
+
+        def mem(m=m, o=o) -> dict:
+            got = m.memory_bytes(reset_peak=True)
+            return {"params": got["params"], "grads": got["grads"], "optim": optim_state(o),
+                    "peak_gathered": got["peak_gathered"]}
+        out.append(Contender(f"commlib FSDP {strategy}", stage, m, o, mem))
+    if "torch" in args.peers:
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+        init_gloo()
+        m = torch.nn.parallel.DistributedDataParallel(model())
+        o = TorchZero(m.parameters(), torch.optim.Adam, lr=1e-4)
+        out.append(Contender("torch DDP+ZeRO (gloo)", 1, m, o, lambda m=m, o=o: {
+            "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
+            "optim": optim_state(o.optim)}, counted=False))
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for stage, reshard in ((2, False), (3, True)):
+            m = model()
+            for layer in m.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+            o = adam(m.parameters())
+            out.append(Contender(f"torch FSDP2 reshard={reshard} (gloo)", stage, m, o,
+                                 lambda m=m, o=o: {
+                                     "params": nbytes(m.parameters()),
+                                     "grads": nbytes(p.grad for p in m.parameters()),
+                                     "optim": optim_state(o)}, counted=False))
+    return out
+
+
+def init_gloo() -> None:
+    import torch.distributed as dist
+    port = np.array([C_free_port() if commlib.get_rank() == 0 else 0])
+    commlib.broadcast(port, src=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                            rank=commlib.get_rank(), world_size=commlib.get_world_size())
+
+
+def C_free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def formula(stage: int, psi: int, n: int) -> float:
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n,
+            3: 16 * psi / n}[stage]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d-in", type=int, default=256)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank")
+    ap.add_argument("--chunk-mb", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget-mib", type=float, default=1024.0,
+                    help="per-rank memory budget for the largest-model column")
+    ap.add_argument("--peers", default="torch", help="'torch' or 'none'")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.d_in, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    runs = contenders(args)
+    psi = sum(p.numel() for p in WideMLP(args.d_in, args.width, args.depth).parameters())
+    bus: dict[str, float] = {}
+    memory: dict[str, dict] = {}
+    for c in runs:
+        for _ in range(args.warmup):
+            c.step(x, y)
+        c.memory()   # resets the peak of gathered chunks: the next step is the one counted
+        before = commlib.stats()
+        c.step(x, y)
+        after = commlib.stats()
+        bus[c.name] = sum(v["bus_bytes"] - before.get(op, {}).get("bus_bytes", 0)
+                          for op, v in after.items())
+        memory[c.name] = c.memory()
+    for _ in range(args.reps):
+        for c in runs:
+            commlib.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                c.step(x, y)
+            c.times.append(slowest((time.perf_counter() - t0) / args.steps))
+    med = {c.name: statistics.median(c.times) for c in runs}
+    if rank != 0:
+        return
+    base_bus = bus["commlib DDP"]
+    print(f"\nWideMLP d_in={args.d_in} width={args.width} depth={args.depth}: psi = {psi:,} "
+          f"parameters (fp32), Adam, {n} ranks, batch {args.batch}/rank, "
+          f"chunks {args.chunk_mb} MiB\n")
+    print("| stage | contender | params | grads | optim state | total | ZeRO formula | "
+          "total/formula | peak gathered chunks | bus bytes/step vs allreduce | "
+          f"largest psi in {args.budget_mib:.0f} MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    mib = 1 << 20
+    for c in runs:
+        if not c.counted:
+            continue
+        m = memory[c.name]
+        total = m["params"] + m["grads"] + m["optim"]
+        f = formula(c.stage, psi, n)
+        working = m.get("peak_gathered", 0) if c.stage == 3 else 0
+        per_param = total / psi
+        largest = (args.budget_mib * mib - working) / per_param
+        print(f"| {c.stage} | {c.name} | {m['params'] / mib:.2f} MiB | {m['grads'] / mib:.2f} MiB"
+              f" | {m['optim'] / mib:.2f} MiB | {total / mib:.2f} MiB | {f / mib:.2f} MiB | "
+              f"{total / f:.3f} | {working / mib:.2f} MiB | {bus[c.name] / base_bus:.2f}x | "
+              f"{largest / 1e6:.0f} M |")
+    print("\n| stage | contender | step (ms, median) | vs commlib DDP | vs torch peer |")
+    print("|---|---|---|---|---|")
+    peer = {1: "torch DDP+ZeRO (gloo)", 2: "torch FSDP2 reshard=False (gloo)",
+            3: "torch FSDP2 reshard=True (gloo)"}
+    for c in runs:
+        ratio = (f"{med[c.name] / med[peer[c.stage]]:.2f}x" if c.counted and c.stage in peer
+                 and peer[c.stage] in med else "")
+        print(f"| {c.stage} | {c.name} | {med[c.name] * 1e3:.1f} | "
+              f"{med[c.name] / med['commlib DDP']:.2f}x | {ratio} |")
+    if args.json:
+        C.write_json(args.json, {"env": C.environment(n), "args": vars(args), "psi": psi,
+                                 "memory": memory, "bus_bytes": bus,
+                                 "step_s": {c.name: c.times for c in runs}})
+
+
+if __name__ == "__main__":
+    main()
