@@ -49,3 +49,16 @@ def test_train_digits_with_sync_bn_and_a_timeline(tmp_path):
         bn = [e for e in mine if e["name"] == "allreduce" and e["args"]["group"] == "world"
               and e["args"]["bytes"] in (8 * (2 * 32 + 1), 16 * 32, 8 * (2 * 64 + 1), 16 * 64)]
         assert len(bn) == 4 * len(steps)
+
+
+def test_train_large_fits_only_when_sharded():
+    """The larger-model example: under the same per-rank budget FULL_SHARD trains (the
+    measured state stays within it) and replication is stopped at the first step."""
+    code, _, out = run_mpi(2, ["-m", "commlib.examples.train_large", "--steps", "4"],
+                           timeout=240, COMMLIB_TIMEOUT="60")
+    assert code == 0 and "within budget for 4 steps" in out, out
+    total = float(re.search(r"\| ([0-9.]+) MiB \|\n", out).group(1))
+    assert total <= 40.0, out
+    code, _, out = run_mpi(2, ["-m", "commlib.examples.train_large", "--steps", "4",
+                               "--sharding", "NO_SHARD"], timeout=240, COMMLIB_TIMEOUT="60")
+    assert code == 3 and "exceeds the budget" in out, out

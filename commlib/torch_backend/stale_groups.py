@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from typing import Any
 
 
@@ -58,18 +59,26 @@ def release_stale_groups() -> int:
         return isinstance(value, dist.ProcessGroup) and not any(value is g for g in live)
 
     replaced = 0
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("torch.") or not isinstance(module, types.ModuleType):
-            continue
-        for fn in _functions(module):
-            defaults = fn.__defaults__
-            if defaults and any(stale(d) for d in defaults):
-                fn.__defaults__ = tuple(None if stale(d) else d for d in defaults)
-                replaced += 1
-            kwdefaults = fn.__kwdefaults__
-            if kwdefaults and any(stale(d) for d in kwdefaults.values()):
-                fn.__kwdefaults__ = {k: (None if stale(d) else d) for k, d in kwdefaults.items()}
-                replaced += 1
+    with warnings.catch_warnings():  # touching deprecated torch attributes warns
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            if name.startswith("torch.") and isinstance(module, types.ModuleType):
+                replaced += _release_in(module, stale)
+    return replaced
+
+
+def _release_in(module: types.ModuleType, stale: Any) -> int:
+    """Replace ``stale`` defaults of ``module``'s functions and its classes' methods."""
+    replaced = 0
+    for fn in _functions(module):
+        defaults = fn.__defaults__
+        if defaults and any(stale(d) for d in defaults):
+            fn.__defaults__ = tuple(None if stale(d) else d for d in defaults)
+            replaced += 1
+        kwdefaults = fn.__kwdefaults__
+        if kwdefaults and any(stale(d) for d in kwdefaults.values()):
+            fn.__kwdefaults__ = {k: (None if stale(d) else d) for k, d in kwdefaults.items()}
+            replaced += 1
     return replaced
 
 
