@@ -26,14 +26,15 @@ import warnings
 from typing import Any
 
 
-def _live_groups(dist: Any) -> list[Any]:
-    """The process groups torch still has registered (empty when not initialized)."""
+def _live_groups(dist: Any) -> list[Any] | None:
+    """The process groups torch still has registered (empty when not initialized);
+    ``None`` when torch's registry cannot be read (then no group counts as stale)."""
     try:
         if not dist.is_initialized():
             return []
         return list(dist.distributed_c10d._world.pg_map.keys())
     except Exception:  # noqa: BLE001 - torch internals moved: keep every group
-        return []
+        return None
 
 
 def _functions(module: types.ModuleType) -> list[types.FunctionType]:
@@ -54,6 +55,8 @@ def release_stale_groups() -> int:
     if dist is None or not hasattr(dist, "ProcessGroup"):
         return 0
     live = _live_groups(dist)
+    if live is None:
+        return 0
 
     def stale(value: Any) -> bool:
         return isinstance(value, dist.ProcessGroup) and not any(value is g for g in live)
