@@ -1,0 +1,526 @@
+"""Time to accuracy of every algorithm and torch DDP on an emulated cluster.
+
+    python benchmarks/bench_time_to_accuracy.py --shapes 2x2,4x1 --rates 1000 --seeds 0,1,2 \\
+        --models cnn,mlp --json benchmarks/results/time_to_accuracy.json \\
+        --plot benchmarks/results/time_to_accuracy.png
+    python benchmarks/bench_time_to_accuracy.py --quick      # smoke test, < 3 min
+
+Every contender (commlib's algorithms and torch DDP over gloo) trains the same model on
+the same data with the same seed, per-rank batch and learning-rate schedule: scikit-learn's
+digits with ``train_digits``' 80/20 split (``load_digits_split(seed)``), a distributed
+sampler, and either the digits CNN or a communication-heavy wide MLP (64 -> W -> W -> 10).
+Schedule: SGD (momentum 0.9) at ``--lr``, Adam-family (qadam) at ``--lr / 10``, both times
+a cosine factor that falls from 1 to 0 over the run.
+
+Every ``--eval-every`` steps the clock stops, EACH rank scores the replica it holds on the
+whole test set (never an averaged model), and the clock restarts after a barrier. The
+wall time of a segment is its slowest rank's; the curve is (wall time, steps, accuracy of
+every replica, bytes). Target accuracy per (shape, model, seed): the final accuracy of
+synchronous training (``gradient_allreduce``, flat) minus ``--tolerance`` (0.5 pp). A
+contender reaches it at the first evaluation where its WORST replica is at or above it
+(``None`` if never). Bytes: what rank 0 handed to MPI (``commlib.stats()``), per sample of
+rank 0; torch DDP over gloo is not seen by commlib, so its bytes are computed from the
+parameter sizes (one allreduce of every gradient per step). Step times: each rank's mean
+(total / steps) and median, slowest rank.
+
+``control_nocomm`` is a negative control: each rank trains alone (no communication) on a
+label-skewed shard (sorted by label), so no replica can reach the target; the report must
+say so. Cluster shapes (``NxR``: N nodes, R ranks each) use ``netsim``'s two-tier
+emulation when it is available, else ranks share one shaped link (see ``JSON["emulation"]``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402
+
+# name -> (commlib algorithm or None for a peer/control, algorithm kwargs, optimizer kind)
+CONTENDERS: dict[str, tuple[str | None, dict[str, Any], str]] = {
+    "gradient_allreduce": ("gradient_allreduce", {}, "sgd"),
+    "gradient_allreduce_hier": ("gradient_allreduce", {"hierarchical": True}, "sgd"),
+    "bytegrad": ("bytegrad", {}, "sgd"),
+    "qadam": ("qadam", {"warmup_steps": "epoch"}, "qadam"),
+    "decentralized": ("decentralized", {"peer_selection_mode": "shift_one"}, "sgd"),
+    "low_precision_decentralized": ("low_precision_decentralized", {}, "sgd"),
+    "local_sgd": ("local_sgd", {"sync_every": 4}, "sgd"),
+    "async_model_average": ("async_model_average", {"sync_interval_ms": 50}, "sgd"),
+    "torch_ddp_gloo": (None, {}, "sgd"),
+    "control_nocomm": (None, {}, "sgd"),
+}
+SYNC = "gradient_allreduce"
+PEER = "torch_ddp_gloo"
+CONTROL = "control_nocomm"
+# design ratio of wire bytes per sample against gradient_allreduce (after warm-ups)
+DESIGN = {"bytegrad": 0.25, "qadam": 1 / 32, "local_sgd": 1 / 4}
+
+
+# -- worker: one mpiexec job = one (shape, model, seed), every contender in turn ----------
+
+def build_model(kind: str, width: int) -> Any:
+    from torch import nn
+    if kind == "cnn":
+        from commlib.examples.train_digits import DigitsCNN
+        return DigitsCNN()
+    if kind == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(),
+                             nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    raise ValueError(f"--models: unknown model {kind!r} (expected cnn or mlp)")
+
+
+def _shard(name: str, n_train: int, labels: Any, rank: int, n: int, seed: int,
+           epoch: int) -> list[int]:
+    """This rank's sample order for ``epoch``: the DistributedSampler of train_digits, or
+    for the control a contiguous block of the label-sorted set (label skew), shuffled."""
+    import torch
+    from torch.utils.data import DistributedSampler
+    if name != CONTROL:
+        sampler = DistributedSampler(range(n_train), num_replicas=n, rank=rank, shuffle=True,
+                                     seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+    order = torch.argsort(labels, stable=True)
+    per = math.ceil(n_train / n)
+    block = order[rank * per:(rank + 1) * per]
+    g = torch.Generator().manual_seed(seed * 1000 + epoch)
+    return block[torch.randperm(len(block), generator=g)].tolist()
+
+
+def _gloo(rank: int) -> Any:
+    """torch.distributed over gloo, rank 0's address found by commlib (works across
+    emulated nodes: the address is rank 0's own, not loopback)."""
+    import socket
+    import numpy as np
+    import torch.distributed as dist
+    import commlib
+    if dist.is_initialized():
+        return dist
+    addr = os.environ.get("COMMLIB_BENCH_ADDR")
+    info = np.zeros(5, dtype=np.int64)
+    if rank == 0:
+        if not addr:
+            try:
+                addr = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                addr = "127.0.0.1"
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            info[4] = s.getsockname()[1]
+        info[:4] = [int(p) for p in addr.split(".")]
+    commlib.broadcast(info, src=0)
+    host = ".".join(str(int(p)) for p in info[:4])
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{int(info[4])}",
+                            rank=rank, world_size=commlib.get_world_size())
+    return dist
+
+
+def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) -> dict:
+    """Train ``name`` from scratch; the curve and the summary (same on every rank)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import commlib
+    from commlib import accounting
+
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    algorithm, kwargs, opt_kind = CONTENDERS[name]
+    x_train, y_train = train.tensors
+    x_test, y_test = test.tensors
+    steps_per_epoch = math.ceil(math.ceil(len(y_train) / n) / args.batch)
+    total_steps = steps_per_epoch * args.epochs
+    kwargs = {k: (steps_per_epoch if v == "epoch" else v) for k, v in kwargs.items()}
+
+    torch.manual_seed(args.seed)
+    module = build_model(args.model, args.width)
+    params = sum(p.numel() for p in module.parameters())
+    ddp: Any = None
+    if algorithm is not None:
+        ddp = commlib.DistributedDataParallel(module, algorithm=algorithm, **kwargs)
+        model = ddp
+    elif name == PEER:
+        _gloo(rank)
+        model = torch.nn.parallel.DistributedDataParallel(module)
+    else:
+        model = module   # the control: every rank alone
+    base_lr = args.lr / 10 if opt_kind == "qadam" else args.lr
+    if opt_kind == "qadam":
+        from commlib.algorithms.qadam import QAdamOptimizer
+        opt = QAdamOptimizer(model.parameters(), lr=base_lr)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
+    # what torch DDP hands to gloo per step: every gradient once (bus: ring allreduce)
+    peer_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+
+    def evaluate() -> float:
+        module.eval()
+        with torch.no_grad():
+            right = (module(x_test).argmax(1) == y_test).sum().item()
+        module.train()
+        return right / len(y_test)
+
+    curve: list[dict[str, Any]] = []
+    wall, sent, bus, step, samples = 0.0, 0, 0, 0, 0
+    durations: list[float] = []
+
+    def checkpoint(segment: float) -> None:
+        """Stop the clock: count the training bytes, add the slowest rank's training
+        time since the last evaluation, score every replica, restart together."""
+        nonlocal sent, bus, wall
+        counters = commlib.stats(reset=True)        # bytes of training since the last one
+        sent += accounting.total(counters, "bytes")
+        bus += accounting.total(counters, "bus_bytes")
+        wall += float(commlib.allreduce(np.array([segment]), op="max")[0])
+        accs = np.asarray(commlib.allgather(np.array([evaluate()]))).ravel()
+        curve.append({"step": step, "wall_s": wall, "acc": [float(a) for a in accs],
+                      "acc_worst": float(min(accs)), "acc_mean": float(np.mean(accs)),
+                      "samples_rank0": None, "bytes_rank0": None, "bus_bytes_rank0": None,
+                      "_samples": samples, "_bytes": sent, "_bus": bus})
+        commlib.barrier()
+        commlib.stats(reset=True)                   # drop the evaluation's own bytes
+
+    commlib.barrier()
+    commlib.stats(reset=True)
+    checkpoint(0.0)
+    for epoch in range(args.epochs):
+        order = _shard(name, len(y_train), y_train, rank, n, args.seed, epoch)
+        for i in range(0, len(order), args.batch):
+            idx = torch.tensor(order[i:i + args.batch])
+            factor = 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            for group in opt.param_groups:
+                group["lr"] = base_lr * factor
+            start = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            opt.step()
+            seconds = time.perf_counter() - start
+            durations.append(seconds)
+            step += 1
+            samples += len(idx)
+            if name == PEER:
+                sent += peer_bytes
+                bus += 2 * (n - 1) * peer_bytes // n
+            if step % args.eval_every == 0 or step == total_steps:
+                checkpoint(sum(durations[-(step - curve[-1]["step"]):]))
+    if ddp is not None:
+        ddp.close()
+    if name == PEER:
+        import torch.distributed as dist
+        dist.barrier()
+    times = np.array([statistics.median(durations), sum(durations) / len(durations)])
+    median_s, mean_s = commlib.allreduce(times, op="max")
+    # rank 0's counts on every rank (the summary is written by rank 0)
+    for point in curve:
+        s, b, u = commlib.broadcast(np.array([point.pop("_samples"), point.pop("_bytes"),
+                                              point.pop("_bus")], dtype=np.int64), src=0)
+        point.update(samples_rank0=int(s), bytes_rank0=int(b), bus_bytes_rank0=int(u))
+    last = curve[-1]
+    return {"algorithm": algorithm, "kwargs": kwargs, "optimizer": opt_kind,
+            "params": params, "steps": step, "steps_per_epoch": steps_per_epoch,
+            "wall_s": last["wall_s"], "samples_per_s": samples * n / last["wall_s"],
+            "mean_step_s": float(mean_s), "median_step_s": float(median_s),
+            "bytes_per_sample": last["bytes_rank0"] / last["samples_rank0"],
+            "bus_bytes_per_sample": last["bus_bytes_rank0"] / last["samples_rank0"],
+            "bytes_counted": name != PEER,
+            "final_acc_worst": last["acc_worst"], "final_acc_mean": last["acc_mean"],
+            "curve": curve}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import commlib
+    from commlib.examples.train_digits import load_digits_split
+    commlib.init()
+    torch.set_num_threads(1)
+    train, test = load_digits_split(args.seed)
+    results = {}
+    for name in args.algorithms.split(","):
+        results[name] = run_contender(name, args, train, test)
+        if commlib.get_rank() == 0:
+            r = results[name]
+            print(f"  {name:<28} final acc worst {r['final_acc_worst']:.4f}  "
+                  f"wall {r['wall_s']:.2f}s  mean step {r['mean_step_s'] * 1e3:.1f} ms",
+                  flush=True)
+    if commlib.get_rank() == 0:
+        with open(args.out, "w") as fh:
+            json.dump({"ranks": commlib.get_world_size(), "contenders": results}, fh)
+
+
+# -- driver --------------------------------------------------------------------------------
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        nodes, per = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes: {text!r} is not NODESxRANKS (e.g. 2x2)") from None
+    if nodes < 1 or per < 1 or nodes * per < 2:
+        raise SystemExit(f"--shapes: {text!r} needs at least 2 ranks")
+    return nodes, per
+
+
+def launch(nodes: int, per: int, rate: float, delay_ms: float, argv: list[str],
+           timeout: float) -> tuple[int, dict[str, Any]]:
+    """Run ``argv`` (a python command line, without mpiexec) on the emulated shape."""
+    import netsim
+    two_tier = getattr(netsim, "two_tier", None)
+    if two_tier is not None:
+        with two_tier(nodes=nodes, ranks_per_node=per, rate_mbit=rate or None,
+                      delay_ms=delay_ms) as cluster:
+            info: dict[str, Any] = {"emulation": "two-tier (netsim.two_tier)"}
+            try:
+                info["measured_bandwidth"] = cluster.measure_bandwidth()
+            except Exception as exc:  # the measurement is informative, not required
+                info["measured_bandwidth"] = f"failed: {exc}"
+            return cluster.mpiexec(argv, timeout=timeout), info
+    cmd = [shutil.which("mpiexec") or "mpiexec", "-n", str(nodes * per)] + argv
+    info = {"emulation": "one link shared by all ranks (netsim.run_limited; no two-tier "
+                         "emulation available, no delay)", "nodes_emulated": False}
+    return netsim.run_limited(rate or None, cmd, timeout=timeout), info
+
+
+def run_job(args: argparse.Namespace, nodes: int, per: int, rate: float, model: str,
+            seed: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        path = fh.name
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", path,
+            "--model", model, "--seed", str(seed), "--epochs", str(args.epochs),
+            "--batch", str(args.batch), "--lr", str(args.lr), "--width", str(args.width),
+            "--eval-every", str(args.eval_every), "--algorithms", args.algorithms]
+    started = time.perf_counter()
+    code, info = launch(nodes, per, rate, args.delay_ms, argv, args.timeout)
+    if code != 0:
+        raise SystemExit(f"worker {nodes}x{per} {rate:g} Mbit/s {model} seed {seed} "
+                         f"exited {code}")
+    with open(path) as fh:
+        out = json.load(fh)
+    os.unlink(path)
+    out.update(info, job_s=time.perf_counter() - started)
+    return out
+
+
+def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Wall time of the first evaluation whose worst replica is at or above ``target``."""
+    for point in curve:
+        if point["acc_worst"] >= target - 1e-12:
+            return point["wall_s"]
+    return None
+
+
+def steady_bus_per_sample(r: dict[str, Any]) -> float:
+    """Wire bytes per sample after the first epoch (qadam's warm-up is one epoch)."""
+    curve = r["curve"]
+    start = next((p for p in curve if p["step"] >= r["steps_per_epoch"]), curve[0])
+    end = curve[-1]
+    samples = end["samples_rank0"] - start["samples_rank0"]
+    return (end["bus_bytes_rank0"] - start["bus_bytes_rank0"]) / samples if samples else 0.0
+
+
+def score(run: dict[str, Any], tolerance: float) -> None:
+    """Add the target and each contender's time to it (in place)."""
+    rows = run["contenders"]
+    sync = rows.get(SYNC)
+    target = None if sync is None else sync["final_acc_worst"] - tolerance
+    run["target_acc"] = target
+    peer_t = None
+    if PEER in rows and target is not None:
+        peer_t = time_to(rows[PEER]["curve"], target)
+    sync_bus = None if sync is None else steady_bus_per_sample(sync)
+    for name, r in rows.items():
+        r["time_to_target_s"] = None if target is None else time_to(r["curve"], target)
+        r["steps_to_target"] = next((p["step"] for p in r["curve"]
+                                     if target is not None and p["wall_s"] ==
+                                     r["time_to_target_s"]), None)
+        t = r["time_to_target_s"]
+        r["ttt_vs_torch_ddp"] = t / peer_t if t is not None and peer_t else None
+        r["steady_bus_bytes_per_sample"] = steady_bus_per_sample(r)
+        r["bus_ratio_vs_sync"] = (r["steady_bus_bytes_per_sample"] / sync_bus
+                                  if sync_bus else None)
+        if sync is not None:
+            r["final_acc_gap_pp"] = 100 * (r["final_acc_worst"] - sync["final_acc_worst"])
+
+
+def _median(values: list[float | None]) -> float | None:
+    """Median of the values; ``None`` when any is ``None`` and they are not a majority
+    (a contender that missed the target in most seeds has no median time)."""
+    known = [v for v in values if v is not None]
+    if len(known) * 2 <= len(values) and len(known) < len(values):
+        return None
+    return statistics.median(known) if known else None
+
+
+SUMMARY_FIELDS = ("time_to_target_s", "ttt_vs_torch_ddp", "final_acc_worst",
+                  "final_acc_mean", "final_acc_gap_pp", "samples_per_s", "bytes_per_sample",
+                  "bus_bytes_per_sample", "steady_bus_bytes_per_sample", "bus_ratio_vs_sync",
+                  "mean_step_s", "median_step_s", "steps_to_target", "wall_s")
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over seeds per contender, and in how many seeds it reached the target."""
+    out: dict[str, Any] = {}
+    for name in runs[0]["contenders"]:
+        rows = [r["contenders"][name] for r in runs]
+        row = {f: _median([x.get(f) for x in rows]) for f in SUMMARY_FIELDS}
+        row["reached"] = sum(x["time_to_target_s"] is not None for x in rows)
+        row["seeds"] = len(rows)
+        out[name] = row
+    out["_target_acc"] = statistics.median(r["target_acc"] for r in runs)
+    return out
+
+
+def drive(args: argparse.Namespace) -> dict[str, Any]:
+    from netsim import can_shape
+    shaped, why = can_shape()
+    result: dict[str, Any] = {
+        "shaped": shaped, "why": why, "tolerance": args.tolerance,
+        "config": {k: getattr(args, k) for k in ("epochs", "batch", "lr", "width",
+                                                  "eval_every", "delay_ms", "algorithms")},
+        "target_rule": f"final worst-replica accuracy of {SYNC} (flat) at the same shape, "
+                       f"model and seed, minus {args.tolerance * 100:g} pp",
+        "design_bus_ratio": DESIGN, "panels": {}}
+    for shape in args.shapes.split(","):
+        nodes, per = parse_shape(shape)
+        for rate in [float(r) for r in args.rates.split(",")]:
+            for model in args.models.split(","):
+                key = f"{nodes}x{per} {rate:g}Mbit {model}"
+                runs = []
+                for seed in [int(s) for s in args.seeds.split(",")]:
+                    print(f"{key} seed {seed} ...", flush=True)
+                    run = run_job(args, nodes, per, rate, model, seed)
+                    run["seed"] = seed
+                    score(run, args.tolerance)
+                    runs.append(run)
+                result["panels"][key] = {"nodes": nodes, "ranks_per_node": per,
+                                         "rate_mbit": rate, "model": model, "runs": runs,
+                                         "summary": summarize(runs)}
+                if args.json:   # partial results survive an interrupted sweep
+                    C.write_json(args.json, result)
+    return result
+
+
+def _fmt(v: Any, digits: int = 2, scale: float = 1.0) -> str:
+    return "None" if v is None else f"{v * scale:.{digits}f}"
+
+
+def table(panel: dict[str, Any]) -> str:
+    s = panel["summary"]
+    headers = ["contender", "reached", "t->target s", "x torch", "final worst",
+               "gap pp", "samples/s", "bus B/sample", "x sync bus", "mean step ms",
+               "median step ms"]
+    rows = []
+    for name, r in s.items():
+        if name.startswith("_"):
+            continue
+        rows.append([name, f"{r['reached']}/{r['seeds']}", _fmt(r["time_to_target_s"]),
+                     _fmt(r["ttt_vs_torch_ddp"], 3), _fmt(r["final_acc_worst"], 4),
+                     _fmt(r["final_acc_gap_pp"], 1), _fmt(r["samples_per_s"], 0),
+                     _fmt(r["steady_bus_bytes_per_sample"], 0),
+                     _fmt(r["bus_ratio_vs_sync"], 3), _fmt(r["mean_step_s"], 1, 1e3),
+                     _fmt(r["median_step_s"], 1, 1e3)])
+    return C.format_table(headers, rows)
+
+
+def report(result: dict[str, Any]) -> None:
+    print(f"\nshaping: {result['why']}; target: {result['target_rule']}")
+    for key, panel in result["panels"].items():
+        emulation = panel["runs"][0].get("emulation", "?")
+        print(f"\n{key} ({emulation}); target (median over seeds) "
+              f"{panel['summary']['_target_acc']:.4f}")
+        print(table(panel))
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Accuracy (worst replica) against wall time, one panel per shape/rate/model; the
+    first seed's curves, the target dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = list(result["panels"].items())
+    cols = min(2, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.5 * rows), squeeze=False)
+    for ax, (key, panel) in zip(axes.flat, panels):
+        run = panel["runs"][0]
+        for name, r in run["contenders"].items():
+            style = ":" if name == CONTROL else ("--" if name == PEER else "-")
+            ax.plot([p["wall_s"] for p in r["curve"]], [p["acc_worst"] for p in r["curve"]],
+                    style, marker=".", markersize=3, label=name)
+        if run.get("target_acc") is not None:
+            ax.axhline(run["target_acc"], color="gray", linestyle="--", linewidth=0.8)
+        ax.set(xscale="log", ylim=(0.0, 1.0), xlabel="wall time, evaluation excluded (s)",
+               ylabel="test accuracy (worst replica)", title=f"{key}, seed {run['seed']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, loc="lower right")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 2x1 at 1000 Mbit/s, CNN, gradient_allreduce and "
+                        "local_sgd, torch DDP and the control, 3 epochs, one seed")
+    p.add_argument("--shapes", default="2x2,4x1", help="NODESxRANKS, comma-separated")
+    p.add_argument("--rates", default="1000", help="inter-node Mbit/s, comma-separated; 0: none")
+    p.add_argument("--delay-ms", type=float, default=0.5)
+    p.add_argument("--models", default="cnn,mlp")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--algorithms", default=",".join(CONTENDERS))
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--batch", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD rate; Adam-family: lr / 10")
+    p.add_argument("--width", type=int, default=1024, help="hidden width of the mlp model")
+    p.add_argument("--eval-every", type=int, default=4, help="steps between evaluations")
+    p.add_argument("--tolerance", type=float, default=0.005,
+                   help="target = sync final accuracy minus this (fraction; 0.005 = 0.5 pp)")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in args.algorithms.split(","):
+        if name not in CONTENDERS:
+            p.error(f"--algorithms: unknown contender {name!r} (known: {', '.join(CONTENDERS)})")
+    if args.quick:
+        args.shapes, args.rates, args.models, args.seeds = "2x1", "1000", "cnn", "0"
+        args.algorithms = f"{SYNC},local_sgd,{PEER},{CONTROL}"
+        args.epochs = 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.quick:
+        args.json = args.json or str(C.RESULTS_DIR / "time_to_accuracy_quick.json")
+        args.plot = args.plot or str(C.RESULTS_DIR / "time_to_accuracy_quick.png")
+    result = drive(args)
+    report(result)
+    if args.json:
+        C.write_json(args.json, result)
+        print(f"JSON: {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
