@@ -25,8 +25,9 @@ parameter sizes (one allreduce of every gradient per step). Step times: each ran
 
 ``control_nocomm`` is a negative control: each rank trains alone (no communication) on a
 label-skewed shard (sorted by label), so no replica can reach the target; the report must
-say so. Cluster shapes (``NxR``: N nodes, R ranks each) use ``netsim``'s two-tier
-emulation when it is available, else ranks share one shaped link (see ``JSON["emulation"]``).
+say so. Cluster shapes (``NxR``: N nodes, R ranks each) run on ``netsim.two_tier``: each
+node a network namespace (shared memory inside), nodes joined by links of ``--rates``
+Mbit/s each way; without root it runs unshaped and ``JSON[...]["emulation"]`` says so.
 """
 from __future__ import annotations
 
@@ -97,15 +98,19 @@ def _shard(name: str, n_train: int, labels: Any, rank: int, n: int, seed: int,
 
 
 def _gloo(rank: int) -> Any:
-    """torch.distributed over gloo, rank 0's address found by commlib (works across
-    emulated nodes: the address is rank 0's own, not loopback)."""
+    """torch.distributed over gloo at rank 0's address (commlib publishes it as
+    MASTER_ADDR/MASTER_PORT; on an emulated cluster it is node 0's link address)."""
     import socket
     import numpy as np
     import torch.distributed as dist
     import commlib
     if dist.is_initialized():
         return dist
-    addr = os.environ.get("COMMLIB_BENCH_ADDR")
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        # published by commlib at import (rank 0's address on its node's link)
+        dist.init_process_group("gloo", rank=rank, world_size=commlib.get_world_size())
+        return dist
+    addr = None
     info = np.zeros(5, dtype=np.int64)
     if rank == 0:
         if not addr:
@@ -300,22 +305,22 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def launch(nodes: int, per: int, rate: float, delay_ms: float, argv: list[str],
            timeout: float) -> tuple[int, dict[str, Any]]:
-    """Run ``argv`` (a python command line, without mpiexec) on the emulated shape."""
-    import netsim
-    two_tier = getattr(netsim, "two_tier", None)
-    if two_tier is not None:
-        with two_tier(nodes=nodes, ranks_per_node=per, rate_mbit=rate or None,
-                      delay_ms=delay_ms) as cluster:
-            info: dict[str, Any] = {"emulation": "two-tier (netsim.two_tier)"}
-            try:
-                info["measured_bandwidth"] = cluster.measure_bandwidth()
-            except Exception as exc:  # the measurement is informative, not required
-                info["measured_bandwidth"] = f"failed: {exc}"
-            return cluster.mpiexec(argv, timeout=timeout), info
-    cmd = [shutil.which("mpiexec") or "mpiexec", "-n", str(nodes * per)] + argv
-    info = {"emulation": "one link shared by all ranks (netsim.run_limited; no two-tier "
-                         "emulation available, no delay)", "nodes_emulated": False}
-    return netsim.run_limited(rate or None, cmd, timeout=timeout), info
+    """Run ``argv`` (a python command line, without mpiexec) on the emulated two-tier
+    cluster (``netsim.two_tier``), after measuring its links."""
+    from netsim import two_tier
+    with two_tier(nodes=nodes, ranks_per_node=per, rate_mbit=rate or None,
+                  delay_ms=delay_ms) as cluster:
+        info: dict[str, Any] = {"emulation": cluster.why, "shaped": cluster.shaped,
+                                "delay_applied": cluster.delay_applied}
+        if cluster.shaped:
+            for label, (a, b) in (("inter_node", (0, 1)), ("intra_node", (0, 0))):
+                if (label == "inter_node" and nodes < 2) or (label == "intra_node" and per < 2):
+                    continue
+                try:
+                    info[f"measured_{label}"] = cluster.measure_bandwidth(a, b, nbytes=4 << 20)
+                except Exception as exc:  # informative, not required
+                    info[f"measured_{label}"] = f"failed: {exc}"
+        return cluster.mpiexec(argv, timeout=timeout), info
 
 
 def run_job(args: argparse.Namespace, nodes: int, per: int, rate: float, model: str,
