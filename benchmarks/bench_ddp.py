@@ -34,12 +34,20 @@ def slowest(seconds: float) -> float:
     return float(commlib.allreduce(np.array([seconds]), op="max")[0])
 
 
-def time_steps(step: Callable[[], None], steps: int, warmup: int) -> float:
+MEANS: dict[str, list[float]] = {}   # name -> per repetition, mean step (total / steps)
+
+
+def time_steps(step: Callable[[], None], steps: int, warmup: int, name: str = "") -> float:
     """Median seconds of ``step`` per rank after ``warmup`` calls, ranks aligned first; the
-    slowest rank's."""
+    slowest rank's. The slowest rank's mean (total / steps) is appended to
+    ``MEANS[name]``."""
     C.step_times(step, warmup, 0)
     commlib.barrier()
-    return slowest(statistics.median(C.step_times(step, 0, steps)))
+    times = C.step_times(step, 0, steps)
+    median, mean = commlib.allreduce(np.array([statistics.median(times),
+                                               sum(times) / len(times)]), op="max")
+    MEANS.setdefault(name, []).append(float(mean))
+    return float(median)
 
 
 def training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
@@ -139,12 +147,13 @@ def bench_steps(args: argparse.Namespace) -> dict[str, Any]:
     alone = steps["compute_only"]
     for _ in range(args.reps):
         for name, step in steps.items():
-            results[name].append(time_steps(step, args.steps, args.warmup))
+            results[name].append(time_steps(step, args.steps, args.warmup, name))
         results["compute_alone"].append(_alone(alone, args))
     commlib.stats(reset=True)
     steps["commlib"]()
     bytes_per_step = commlib.stats(reset=True)
     return {"median_s": {k: statistics.median(v) for k, v in results.items()},
+            "mean_s": {k: statistics.median(MEANS[k]) for k in results if k in MEANS},
             "all_s": results, "commlib_bytes_per_step": bytes_per_step}
 
 
@@ -181,17 +190,23 @@ def bench_buckets(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.reps):
         for name, fn in cases.items():
-            times[name].append(time_steps(fn, max(2, args.steps // 2), 1))
+            times[name].append(time_steps(fn, max(2, args.steps // 2), 1, name))
     raw.Free()
     return {"tensors": len(grads), "bytes": int(flat.nbytes), "buckets": len(buckets),
-            "median_s": {k: statistics.median(v) for k, v in times.items()}}
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "mean_s": {k: statistics.median(MEANS[k]) for k in times}}
 
 
 def report(steps: dict[str, Any], buckets: dict[str, Any], n: int) -> None:
     t = steps["median_s"]
-    print(f"\ntraining step, {n} ranks (median seconds, slowest rank):")
+    means = steps.get("mean_s", {})
+    print(f"\ntraining step, {n} ranks (median and mean (total / steps) seconds, slowest "
+          f"rank; median over repetitions):")
     for name, seconds in t.items():  # allreduce_alone: one flat allreduce of all gradients
-        print(f"  {name:<16} {seconds * 1e3:9.2f} ms   {seconds / t['commlib']:6.3f}x commlib")
+        mean = means.get(name)
+        shown = f"   mean {mean * 1e3:9.2f} ms" if mean is not None else ""
+        print(f"  {name:<16} {seconds * 1e3:9.2f} ms   {seconds / t['commlib']:6.3f}x commlib"
+              f"{shown}")
     if "torch_ddp_gloo" in t:
         ratio = t["commlib"] / t["torch_ddp_gloo"]
         print(f"  commlib / torch DDP (gloo)     = {ratio:.3f}  (target <= 0.90: "

@@ -11,7 +11,8 @@ the schedule and not about how 4 ranks share 2 cores. For each M, commlib's ``gp
 ``1f1b`` and ``chimera`` run one global batch per step, against
 ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B`` over gloo on the
 same stages (repetitions alternate between the implementations). A step's time is the
-slowest rank's; the table gives the median over ``--reps`` steps (after a warm-up step).
+slowest rank's; the table gives the median over ``--reps`` steps (after a warm-up step) and
+their mean (total / steps).
 The measured bubble fraction is ``1 - busy / T``: ``busy`` the rank's time inside the
 emulated compute, averaged over ranks, ``T`` the step time (so per-action overheads,
 Python and messages, count as bubble); ``waiting`` (commlib only): the share of the step a
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
             results.append({
                 "impl": impl, "schedule": s, "M": m,
                 "step_ms": 1000 * statistics.median(samples[key]),
+                "step_mean_ms": 1000 * statistics.mean(samples[key]),
                 "bubble": 1 - statistics.median(busy[key]),
                 "waiting": statistics.median(waits[key]),
                 "formula": formula,
@@ -178,12 +180,12 @@ def main(argv=None) -> int:
         for r in results:
             ref = base.get((r["schedule"], r["M"]))
             rows.append([r["impl"], r["schedule"], r["M"], C.fmt(r["step_ms"], 1),
-                         C.fmt(r["ideal_ms"], 0), C.fmt(r["bubble"], 3),
+                         C.fmt(r["step_mean_ms"], 1), C.fmt(r["ideal_ms"], 0), C.fmt(r["bubble"], 3),
                          C.fmt(r["waiting"], 3),
                          C.fmt(r["formula"], 3), r["peak_activations"],
                          C.fmt(r["step_ms"] / ref, 2) if ref and r["impl"] == "commlib"
                          else "-"])
-        print(C.format_table(["impl", "schedule", "M", "step ms", "ideal ms", "bubble",
+        print(C.format_table(["impl", "schedule", "M", "step ms", "mean ms", "ideal ms", "bubble",
                               "waiting",
                               "formula", "peak act.", "vs torch"], rows,
                              title=f"D={n} stages, {args.t_ms:g} ms forward and backward "

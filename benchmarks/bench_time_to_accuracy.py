@@ -442,6 +442,24 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def combine(paths: list[str]) -> dict[str, Any]:
+    """One result from the JSON files of several runs (e.g. one per shape, each taken
+    under the benchmark lock): their panels side by side, the first file's settings."""
+    result: dict[str, Any] | None = None
+    for path in paths:
+        with open(path) as fh:
+            part = json.load(fh)
+        if result is None:
+            result = part
+            result["combined_from"] = []
+        else:
+            result["panels"].update(part["panels"])
+        result["combined_from"].append(os.path.basename(path))
+    if result is None:
+        raise SystemExit("--combine: no files given")
+    return result
+
+
 def _fmt(v: Any, digits: int = 2, scale: float = 1.0) -> str:
     return "None" if v is None else f"{v * scale:.{digits}f}"
 
@@ -524,6 +542,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--combine", default=None, metavar="A.json,B.json",
+                   help="no runs: merge the panels of earlier --json files, report, plot")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
@@ -547,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.json = args.json or str(C.RESULTS_DIR / "time_to_accuracy_quick.json")
         args.plot = args.plot or str(C.RESULTS_DIR / "time_to_accuracy_quick.png")
-    result = drive(args)
+    if args.combine:
+        result = combine(args.combine.split(","))
+    else:
+        result = drive(args)
     report(result)
     if args.json:
         C.write_json(args.json, result)
