@@ -203,6 +203,9 @@ def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) ->
         module.train()
         return right / len(y_test)
 
+    # async_model_average averages on a timer in the background: stopped at every
+    # evaluation (after its current round, on every rank), restarted after it
+    background = algorithm == "async_model_average"
     curve: list[dict[str, Any]] = []
     wall, sent, bus, step, samples = 0.0, 0, 0, 0, 0
     durations: list[float] = []
@@ -211,6 +214,8 @@ def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) ->
         """Stop the clock: count the training bytes, add the slowest rank's training
         time since the last evaluation, score every replica, restart together."""
         nonlocal sent, bus, wall
+        if background:   # no averaging round while the clock stands still
+            ddp.algorithm.abort()
         counters = commlib.stats(reset=True)        # bytes of training since the last one
         sent += accounting.total(counters, "bytes")
         bus += accounting.total(counters, "bus_bytes")
@@ -222,6 +227,8 @@ def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) ->
                       "_samples": samples, "_bytes": sent, "_bus": bus})
         commlib.barrier()
         commlib.stats(reset=True)                   # drop the evaluation's own bytes
+        if background:
+            ddp.algorithm.resume()
 
     commlib.barrier()
     commlib.stats(reset=True)
