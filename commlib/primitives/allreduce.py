@@ -56,8 +56,24 @@ def _flat_async(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: An
     return tensor
 
 
+# Pipelined hierarchical allreduce: at least this many bytes per chunk, at most this many
+# chunks. Chunk c's inter-node allreduce runs while chunk c+1 is reduced inside the node
+# and chunk c-1 is broadcast inside it, so the node-local steps hide behind the slow tier.
+PIPELINE_CHUNK_BYTES = 1 << 20
+PIPELINE_MAX_CHUNKS = 8
+
+
 def _hierarchical(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: Any) -> Any:
     local, leaders = comm.node()
+    # The same decision on every rank: it depends on the buffer and on whether any node
+    # has more than one rank (then some rank leads no node, so no leaders' group spans
+    # the whole communicator).
+    flat_world = leaders is not None and leaders.size == comm.size
+    chunks = [] if flat_world else _chunks(buf)
+    if len(chunks) > 1:
+        yield from _pipelined(local, leaders, buf, chunks, mop)
+        finish_reduce(buf, op, comm.size)
+        return tensor
     msg = buf.msg()
     if local.size > 1:
         accounting.record("reduce", buf.nbytes, local.size)
@@ -72,3 +88,50 @@ def _hierarchical(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: 
         yield local.mpi.Ibcast(msg, root=0)
     finish_reduce(buf, op, comm.size)
     return tensor
+
+
+def _chunks(buf: Buf) -> list[list]:
+    """``buf`` as consecutive ``[memory, count, datatype]`` pieces for the pipeline (host
+    memory only; one piece when the buffer is small or device memory)."""
+    import numpy as np
+    mem = buf.mem
+    if not isinstance(mem, np.ndarray) or buf.nbytes < 2 * PIPELINE_CHUNK_BYTES:
+        return []
+    k = min(PIPELINE_MAX_CHUNKS, buf.nbytes // PIPELINE_CHUNK_BYTES)
+    flat = mem.reshape(-1)
+    bounds = [buf.count * i // k for i in range(k + 1)]
+    return [[flat[lo:hi], hi - lo, buf.dt.mpi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _pipelined(local: Communicator, leaders: Communicator | None, buf: Buf,
+               chunks: list[list], mop: Any) -> Any:
+    """The node reduce, leaders' allreduce and node broadcast of each chunk, overlapped.
+    Every rank of a node starts its node-local collectives in the same order (all
+    reduces, then all broadcasts); a non-leader broadcasts into chunk c only after its
+    reduce of chunk c completed (MPI owns a send buffer until then)."""
+    node_steps = local.size > 1
+    lead = local.rank == 0
+    across = leaders is not None and leaders.size > 1
+    if node_steps:
+        accounting.record("reduce", buf.nbytes, local.size)
+        accounting.record("broadcast", buf.nbytes, local.size)
+    if across:
+        accounting.record("allreduce", buf.nbytes, leaders.size)
+    reduces = [local.mpi.Ireduce(IN_PLACE if lead else m, m if lead else None, mop, root=0)
+               if node_steps else None for m in chunks]
+    done = reduces
+    if across:
+        done = []
+        for m, r in zip(chunks, reduces):
+            if r is not None:
+                yield r
+            done.append(leaders.mpi.Iallreduce(IN_PLACE, m, mop))
+    broadcasts = []
+    for m, r in zip(chunks, done):
+        if r is not None:
+            yield r
+        if node_steps:
+            broadcasts.append(local.mpi.Ibcast(m, root=0))
+    for r in broadcasts:
+        yield r
+    return None
