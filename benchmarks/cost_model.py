@@ -196,12 +196,13 @@ def comm_time(name: str, c: Cluster, nbytes: float, warm_fraction: float = 0.0,
 
 # -- calibration and validation -----------------------------------------------------------
 
-def _load(paths: list[str]) -> dict[str, Any]:
+def _load(paths: list[str], shaped: bool) -> dict[str, Any]:
+    """The panels of ``paths`` whose links were rate-limited (``shaped``) or not."""
     panels: dict[str, Any] = {}
     for path in paths:
         with open(path) as fh:
             panels.update(json.load(fh)["panels"])
-    return panels
+    return {k: p for k, p in panels.items() if bool(p["rate_mbit"]) == shaped}
 
 
 def cluster_of(panel: dict[str, Any], run: dict[str, Any]) -> Cluster:
@@ -372,14 +373,16 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calibrate", required=True,
-                   help="bench_time_to_accuracy JSON file(s) of UNSHAPED runs, comma-separated")
+                   help="bench_time_to_accuracy JSON file(s), comma-separated: their "
+                        "unshaped panels (--rates 0) calibrate the model")
     p.add_argument("--validate", required=True,
-                   help="bench_time_to_accuracy JSON file(s) of shaped runs, comma-separated")
+                   help="bench_time_to_accuracy JSON file(s), comma-separated: their "
+                        "shaped panels are predicted and compared")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
-    base = calibrate(_load(args.calibrate.split(",")))
-    shaped = _load(args.validate.split(","))
+    base = calibrate(_load(args.calibrate.split(","), shaped=False))
+    shaped = _load(args.validate.split(","), shaped=True)
     checks = validate(shaped, base)
     print(C.format_table(
         ["panel", "contender", "measured ms", "predicted ms", "error %", "comm ms"],
