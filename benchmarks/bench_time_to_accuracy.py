@@ -489,6 +489,29 @@ def table(panel: dict[str, Any]) -> str:
     return C.format_table(headers, rows)
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The summary tables as Markdown (for benchmarks/README.md)."""
+    lines = []
+    for key, panel in result["panels"].items():
+        s = panel["summary"]
+        seeds = panel["runs"][0]["contenders"]
+        lines += [f"\n**{key}** ({len(panel['runs'])} seed(s); target {s['_target_acc']:.4f}, "
+                  f"median over seeds)\n",
+                  "| contender | reached | time to target s | x torch DDP | final acc (worst) "
+                  "| gap pp | samples/s | bus B/sample | x sync bus | mean step ms "
+                  "| median step ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name in seeds:
+            r = s[name]
+            lines.append(
+                f"| {name} | {r['reached']}/{r['seeds']} | {_fmt(r['time_to_target_s'])} | "
+                f"{_fmt(r['ttt_vs_torch_ddp'], 3)} | {_fmt(r['final_acc_worst'], 4)} | "
+                f"{_fmt(r['final_acc_gap_pp'], 1)} | {_fmt(r['samples_per_s'], 0)} | "
+                f"{_fmt(r['steady_bus_bytes_per_sample'], 0)} | "
+                f"{_fmt(r['bus_ratio_vs_sync'], 3)} | {_fmt(r['mean_step_s'], 1, 1e3)} | "
+                f"{_fmt(r['median_step_s'], 1, 1e3)} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(result: dict[str, Any]) -> None:
     print(f"\nshaping: {result['why']}; target: {result['target_rule']}")
     for key, panel in result["panels"].items():
@@ -549,6 +572,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--markdown", default=None, help="also write the tables as Markdown")
     p.add_argument("--combine", default=None, metavar="A.json,B.json",
                    help="no runs: merge the panels of earlier --json files, report, plot")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -585,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(result, args.plot)
         print(f"plot: {args.plot}")
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(markdown(result))
+        print(f"markdown: {args.markdown}")
     return 0
 
 
