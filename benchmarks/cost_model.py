@@ -41,7 +41,7 @@ holds forward, backward, the optimizer and the algorithm's own CPU work (bucket 
 compression kernels) on our 2 shared cores. Validation: every shaped run (1 Gbit/s etc.)
 predicted from the unshaped one, error per algorithm and shape.
 
-**Past one machine.** Predictions at 8-1024 ranks, 8 ranks per node, 25 / 100 / 400 Gbit/s
+**Past one machine.** Predictions at 8-1024 ranks, 8 ranks per node, 10 / 25 / 100 / 400 Gbit/s
 between nodes, NVLink-class inside a node (alpha 3 us, 1200 Gbit/s), inter-node alpha
 10 us; a ResNet-50-like model on a GPU: ``S`` = 25.6 M fp32 parameters (102 MB), 0.20 s
 of forward + backward + optimizer per step (per-GPU batch 64 on a V100-class GPU: an
@@ -179,6 +179,14 @@ def comm_time(name: str, c: Cluster, nbytes: float, warm_fraction: float = 0.0,
     if name == "qadam":
         steady = compressed(c, nbytes / 32) + compress_s_per_byte * nbytes
         return warm_fraction * allreduce_rhd(c, nbytes) + (1 - warm_fraction) * steady
+    if name in ("bytegrad_hier", "qadam_hier"):   # compress only between node leaders
+        leaders = Cluster(c.nodes, 1, c.intra, c.inter)
+        local = allreduce_hier(c, nbytes) - allreduce_rhd(leaders, nbytes)
+        ratio = 4 if name == "bytegrad_hier" else 32
+        steady = local + compressed(leaders, nbytes / ratio) + compress_s_per_byte * nbytes
+        if name == "bytegrad_hier":
+            return steady
+        return warm_fraction * allreduce_hier(c, nbytes) + (1 - warm_fraction) * steady
     if name == "decentralized":
         return peer_exchange(c, nbytes)
     if name == "low_precision_decentralized":
@@ -270,13 +278,17 @@ def validate(panels: dict[str, Any], base: dict[tuple[str, str], dict[str, float
 # -- predictions at scale -------------------------------------------------------------------
 
 SCALE = {"ranks_per_node": 8, "intra": Tier(3e-6, 8 / 1200e9), "inter_alpha": 10e-6,
-         "inter_gbit": (25, 100, 400), "ranks": (8, 16, 32, 64, 128, 256, 512, 1024),
+         "inter_gbit": (10, 25, 100, 400), "ranks": (8, 16, 32, 64, 128, 256, 512, 1024),
          "model_bytes": 25.6e6 * 4, "compute_s": 0.20, "compress_gbyte_s": 200.0,
          "qadam_warm_fraction": 0.05}
 
 
+# predicted at scale only: hierarchical=True of the compressed algorithms (full precision
+# inside the node, compressed among node leaders, as Bagua does); steps to target as flat
+SCALE_ONLY = ("bytegrad_hier", "qadam_hier")
 # exchanged bucket by bucket during backward (or, decentralized, beside forward/backward)
-OVERLAPPED = (SYNC, "gradient_allreduce_hier", "bytegrad", "qadam", "decentralized", PEER)
+OVERLAPPED = (SYNC, "gradient_allreduce_hier", "bytegrad", "qadam", "decentralized", PEER,
+              *SCALE_ONLY)
 
 
 def steps_ratio(panels: dict[str, Any], model: str = "mlp") -> dict[str, float | None]:
@@ -307,12 +319,12 @@ def predict(ratios: dict[str, float | None]) -> list[dict[str, Any]]:
         for n in SCALE["ranks"]:
             c = Cluster(n // SCALE["ranks_per_node"], SCALE["ranks_per_node"], SCALE["intra"],
                         inter)
-            for name in MODELLED:
+            for name in MODELLED + SCALE_ONLY:
                 comm = comm_time(name, c, s, SCALE["qadam_warm_fraction"], compress)
                 step = SCALE["compute_s"] + comm
                 if name in OVERLAPPED:   # exchanged while backward runs: half hides
                     step = SCALE["compute_s"] + max(0.0, comm - 0.5 * SCALE["compute_s"])
-                ratio = ratios.get(name)
+                ratio = ratios.get(name.replace("_hier", "") if name in SCALE_ONLY else name)
                 rows.append({"inter_gbit": gbit, "ranks": n, "contender": name,
                              "comm_s": comm, "step_s": step, "steps_ratio": ratio,
                              "tta_sync_steps": None if ratio is None else step * ratio})
@@ -348,7 +360,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     rates = SCALE["inter_gbit"]
     fig, axes = plt.subplots(2, len(rates), figsize=(5.5 * len(rates), 8), squeeze=False)
     for j, gbit in enumerate(rates):
-        for name in MODELLED:
+        for name in MODELLED + SCALE_ONLY:
             pts = [r for r in rows if r["inter_gbit"] == gbit and r["contender"] == name]
             x = [r["ranks"] for r in pts]
             axes[0, j].plot(x, [r["step_s"] for r in pts], marker="o", markersize=3, label=name)
