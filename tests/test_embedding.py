@@ -35,12 +35,13 @@ def coalesced_step(opt, param):
 
 
 def torch_optimizer(name, params, lr):
-    return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[name](params, lr=lr)
+    return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
+            "adam": torch.optim.SparseAdam}[name](params, lr=lr)
 
 
 # -- 1 rank: bit-identical ----------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["bag_sum_offsets", "bag_mean", "embedding"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_one_rank_bit_identical(kind, optimizer):
     group = commlib.new_subgroup([commlib.get_rank()])  # one rank, whatever the world
     gen = torch.Generator().manual_seed(1)
@@ -221,7 +222,7 @@ def _reference_table(ref, ref_emb, queue, applied, step, tau):
         return table
     param = torch.nn.Parameter(table)
     opt = type(ref_emb)([param], **{k: v for k, v in ref_emb.defaults.items()
-                                    if k in ("lr", "eps")})
+                                    if k in ("lr", "eps", "betas")})
     opt.load_state_dict(copy.deepcopy(ref_emb.state_dict()))  # else it shares the sums
     for grad in list(queue)[:extra]:
         param.grad = grad
@@ -230,7 +231,7 @@ def _reference_table(ref, ref_emb, queue, applied, step, tau):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_sync_equals_global_batch(optimizer, one_thread_per_rank):
     assert run(optimizer) < TOL
 
@@ -246,6 +247,13 @@ def test_negative_control_rejected(one_thread_per_rank):
 @pytest.mark.parametrize("tau,prefetch", [(1, True), (2, True), (4, True), (2, False)])
 def test_staleness(tau, prefetch, one_thread_per_rank):
     assert run("adagrad", tau=tau, prefetch=prefetch, steps=7) < TOL
+
+
+@pytest.mark.mpi
+def test_staleness_with_adam_counts_the_batch_not_the_moment(one_thread_per_rank):
+    """A delayed update of batch k takes Adam's bias correction of step k, as the
+    reference's delayed SparseAdam step does."""
+    assert run("adam", tau=2, prefetch=True, steps=7) < TOL
 
 
 @pytest.mark.mpi
@@ -272,3 +280,55 @@ def test_state_dict_moves_between_world_sizes():
         emb.load_state_dict({"weight": full[:-1]})
     emb.close()
     solo.close()
+
+
+def _train(emb, steps, start):
+    """Train ``emb`` alone (sum of its bags as the loss) on seeded per-rank batches
+    ``start .. start + steps - 1``."""
+    rank = commlib.get_rank()
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        ids = torch.randint(0, N, (4, 3), generator=gen)
+        target = torch.randn(4, D, dtype=F64, generator=gen)
+        (emb(ids) - target).pow(2).sum().backward()
+        emb.step()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_optimizer_state_resumes_exactly_and_reshards(optimizer):
+    w0 = torch.randn(N, D, dtype=F64, generator=torch.Generator().manual_seed(5))
+
+    def fresh(group=None):
+        return commlib.ShardedEmbeddingBag(N, D, mode="sum", optimizer=optimizer, lr=0.05,
+                                           dtype=F64, _weight=w0, group=group)
+    whole = fresh()
+    _train(whole, 3, 0)
+    weights, state = whole.state_dict(), whole.optimizer_state_dict()
+    assert state["step"] == 3 and state["optimizer"] == optimizer
+    _train(whole, 3, 3)
+    expect = whole.state_dict()["weight"]
+
+    resumed, forgetful = fresh(), fresh()
+    resumed.load_state_dict(weights)
+    resumed.load_optimizer_state_dict(state)
+    forgetful.load_state_dict(weights)  # negative control: the optimizer starts over
+    for emb in (resumed, forgetful):
+        _train(emb, 3, 3)
+    assert torch.equal(resumed.state_dict()["weight"], expect)
+    assert not torch.equal(forgetful.state_dict()["weight"], expect)
+
+    # another world size: a 1-rank table holds the same whole state
+    solo = fresh(group=commlib.new_subgroup([commlib.get_rank()]))
+    solo.load_optimizer_state_dict(state)
+    again = solo.optimizer_state_dict()
+    assert again["step"] == 3
+    for key, full in state["state"].items():
+        assert torch.equal(again["state"][key], full)
+    with pytest.raises(ValueError, match="optimizer state is for 'sgd'"):
+        resumed.load_optimizer_state_dict(dict(state, optimizer="sgd"))
+    with pytest.raises(ValueError, match="shape"):
+        resumed.load_optimizer_state_dict(
+            dict(state, state={k: v[:-1] for k, v in state["state"].items()}))
+    for emb in (whole, resumed, forgetful, solo):
+        emb.close()

@@ -87,6 +87,13 @@ def test_lookahead_equals_sync(L, capacity, one_thread_per_rank, monkeypatch):
 
 
 @pytest.mark.mpi
+def test_lookahead_with_adam_equals_sync(one_thread_per_rank, monkeypatch):
+    """Both halves of a split update take the bias correction of their own batch."""
+    monkeypatch.setattr(te, "lookahead_capacity", None)
+    assert te.run("adam", lookahead=2, steps=7) < te.TOL
+
+
+@pytest.mark.mpi
 def test_lookahead_negative_control(one_thread_per_rank, monkeypatch):
     def eager(step, mine, touched, fetched, held, lookahead, capacity):
         # prefetches every row of the window at once, ignoring updates in between

@@ -9,8 +9,9 @@ from .cache import EmbeddingCache
 from .lookahead import LookaheadLoader
 from .module import ShardedEmbedding, ShardedEmbeddingBag
 from .prefetch import PrefetchLoader
-from .optim import RowAdagrad, RowOptimizer, RowSGD
+from .optim import RowAdagrad, RowAdam, RowOptimizer, RowSGD
 from .table import ShardTable
 
-__all__ = ["EmbeddingCache", "LookaheadLoader", "PrefetchLoader", "RowAdagrad", "RowOptimizer",
+__all__ = ["EmbeddingCache", "LookaheadLoader", "PrefetchLoader", "RowAdagrad", "RowAdam",
+           "RowOptimizer",
            "RowSGD", "ShardTable", "ShardedEmbedding", "ShardedEmbeddingBag"]

@@ -178,7 +178,7 @@ class EmbeddingCache:
             del self.count[i]
         if self.push_log is not None:
             self.push_log.append((ids, grads))
-        t.push(ids, grads)
+        t.push(ids, grads, t.closed)
 
 
 def _segment_sums(flags: torch.Tensor, splits: list[int]) -> list[int]:

@@ -156,8 +156,8 @@ class _Schedule:
         if self.later is not None:  # the previous step's background part, first
             self.later()
             self.later = None
-        t.push(ids[now], grads[now])
-        self.later = t.start_push(ids[~now], grads[~now])
+        t.push(ids[now], grads[now], t.closed)
+        self.later = t.start_push(ids[~now], grads[~now], t.closed)
         t.applied = t.closed
 
     def flush(self) -> None:

@@ -154,6 +154,25 @@ class _ShardedBase(torch.nn.Module):
         if self.cache is not None:
             self.cache.invalidate()
 
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """What the table's row-wise optimizer needs to continue exactly: its name,
+        hyperparameters, the number of batches applied (Adam's step) and each per-row
+        state (Adagrad's sums, Adam's moments) as a whole ``(num_embeddings,
+        embedding_dim)`` tensor, gathered on every rank like ``state_dict()["weight"]``.
+        Outstanding updates are applied first. Collective over the group."""
+        self.flush()
+        return self._table.optimizer_state()
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`optimizer_state_dict` returned (at any world size): this rank
+        keeps its rows of each state tensor. Load the weights with ``load_state_dict`` as
+        well. ``ValueError`` naming what does not fit (another optimizer, missing state,
+        wrong shape). Collective over the group."""
+        self.flush()
+        self._table.load_optimizer_state(state_dict)
+        if self.cache is not None:
+            self.cache.invalidate()
+
     def close(self) -> None:
         """Remove the optimizer hook and free the table's communicator (collective; the
         module is unusable after)."""
@@ -220,7 +239,9 @@ class ShardedEmbeddingBag(_ShardedBase):
 
     Training: the gradient of each looked-up row (summed over its uses on this rank) goes
     to the owner, which averages over the group (as DDP averages dense gradients) and
-    applies the row-wise ``optimizer`` (``"sgd"`` or ``"adagrad"``, learning rate ``lr``)
+    applies the row-wise ``optimizer`` (``"sgd"``, ``"adagrad"`` or ``"adam"``: torch's
+    ``SGD``, ``Adagrad`` and ``SparseAdam`` on a sparse gradient, learning rate ``lr``,
+    torch's defaults otherwise; pass e.g. ``RowAdam(lr, betas, eps)`` for other settings)
     when any ``torch.optim`` optimizer steps, or at the latest before the next lookup
     (:meth:`step`). ``staleness=tau``: up to ``tau`` earlier batches may be read before
     their updates are applied (Persia). ``cache``: an :class:`EmbeddingCache` (HET).

@@ -156,22 +156,24 @@ class ShardTable:
 
     def apply_oldest(self) -> None:
         ids, grads = self.queue.popleft()
-        self.push(ids, grads)
+        self.push(ids, grads, self.applied + 1)
         self.applied += 1
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Send row gradients to their owners; each owner sums them per row, divides by
-        the group size (the average over ranks) and applies its optimizer; versions of
-        the updated rows grow by one."""
+        the group size (the average over ranks) and applies its optimizer as the update of
+        batch ``step`` (1-based; Adam's bias correction); versions of the updated rows grow
+        by one."""
         perm, splits = exchange.route(ids, self.n)
         recv = exchange.exchange_counts(splits, self.group)
         got_ids = alltoall_v(ids[perm], splits, recv, group=self.group)
         got = alltoall_v(grads[perm], splits, recv, group=self.group)
         if self.apply_filter is not None:
             got_ids, got = self.apply_filter(self, got_ids, got, recv)
-        self.apply_rows(torch.div(got_ids, self.n, rounding_mode="floor"), got)
+        self.apply_rows(torch.div(got_ids, self.n, rounding_mode="floor"), got, step)
 
-    def start_push(self, ids: torch.Tensor, grads: torch.Tensor) -> Callable[[], None]:
+    def start_push(self, ids: torch.Tensor, grads: torch.Tensor,
+                   step: int) -> Callable[[], None]:
         """:meth:`push` with the gradient exchange in the background: returns a callable
         that waits for it and applies (call it on every rank, in the same order)."""
         perm, splits = exchange.route(ids, self.n)
@@ -183,28 +185,63 @@ class ShardTable:
             got_ids, got = ids_work.wait(), grad_work.wait()
             if self.apply_filter is not None:
                 got_ids, got = self.apply_filter(self, got_ids, got, recv)
-            self.apply_rows(torch.div(got_ids, self.n, rounding_mode="floor"), got)
+            self.apply_rows(torch.div(got_ids, self.n, rounding_mode="floor"), got, step)
         return finish
 
-    def apply_rows(self, local: torch.Tensor, grads: torch.Tensor) -> None:
+    def apply_rows(self, local: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Local: sum ``grads`` per local row, average over the group, apply."""
         rows, inverse = torch.unique(local, sorted=True, return_inverse=True)
         total = torch.zeros(len(rows), self.dim, dtype=self.dtype)
         total.index_add_(0, inverse, grads)
         if self.n > 1:
             total.div_(self.n)
-        self.optimizer.apply(self.weight, rows, total)
+        self.optimizer.apply(self.weight, rows, total, step)
         self.version[rows] += 1
 
     # -- whole table -------------------------------------------------------------------
-    def full(self) -> torch.Tensor:
-        """The whole table on every rank (allgather_v of the shards)."""
-        shards = allgather_v(self.weight, group=self.group)
-        out = torch.empty(self.num_embeddings, self.dim, dtype=self.dtype)
-        for r, shard in enumerate(shards):
-            out[r::self.n] = shard
+    def full(self, shard: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole table (or the whole of a per-row ``shard`` of the same layout, e.g.
+        optimizer state) on every rank (allgather_v of the shards)."""
+        shard = self.weight if shard is None else shard
+        shards = allgather_v(shard, group=self.group)
+        out = torch.empty(self.num_embeddings, self.dim, dtype=shard.dtype)
+        for r, part in enumerate(shards):
+            out[r::self.n] = part
         return out
 
-    def load(self, full: torch.Tensor) -> None:
-        """Local: keep this rank's rows of a whole table."""
-        self.weight.copy_(full.detach()[self.rank::self.n].to(self.dtype))
+    def load(self, full: torch.Tensor, shard: torch.Tensor | None = None) -> None:
+        """Local: keep this rank's rows of a whole table (into ``shard``: the weight
+        unless given)."""
+        shard = self.weight if shard is None else shard
+        shard.copy_(full.detach()[self.rank::self.n].to(shard.dtype))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's name, hyperparameters, the batches applied so far (Adam's
+        step) and each per-row state tensor gathered whole. Flush first. Collective."""
+        opt = self.optimizer
+        hyper = {k: v for k, v in vars(opt).items() if isinstance(v, (int, float))}
+        return {"optimizer": opt.name, "hyperparameters": hyper, "step": self.applied,
+                "state": {k: self.full(v) for k, v in sorted(opt.state_tensors().items())}}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Local: keep this rank's rows of each state tensor; batch counters continue
+        from the saved step. Raises ``ValueError`` naming what does not fit."""
+        opt, here = self.optimizer, where(self.owner, self.rank)
+        if not isinstance(state, dict) or state.get("optimizer") != opt.name:
+            got = state.get("optimizer") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{here}: the optimizer state is for {got!r}, this table's "
+                             f"optimizer is {opt.name!r}")
+        mine = opt.state_tensors()
+        saved = state.get("state", {})
+        if set(saved) != set(mine):
+            raise ValueError(f"{here}: optimizer state holds {sorted(saved)}, expected "
+                             f"{sorted(mine)}")
+        want = (self.num_embeddings, self.dim)
+        for key, full in saved.items():
+            if tuple(full.shape) != want:
+                raise ValueError(f"{here}: optimizer state {key!r} has shape "
+                                 f"{tuple(full.shape)}, expected {want}")
+        for key, full in saved.items():
+            self.load(full, mine[key])
+        step = int(state.get("step", 0))
+        self.issued = self.trained = self.closed = self.applied = step

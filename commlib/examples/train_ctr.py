@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--lr", type=float, default=0.05, help="dense Adagrad learning rate")
     p.add_argument("--emb-lr", type=float, default=0.05)
-    p.add_argument("--emb-optimizer", default="adagrad", choices=["sgd", "adagrad"])
+    p.add_argument("--emb-optimizer", default="adagrad", choices=["sgd", "adagrad", "adam"])
     p.add_argument("--algorithm", default="gradient_allreduce", help="dense DDP algorithm")
     p.add_argument("--staleness", type=int, default=0, help="Persia's tau")
     p.add_argument("--cache-rows", type=int, default=0, help="HET cache rows (0: none)")
