@@ -135,6 +135,10 @@ def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
     commlib.init()
     torch.set_num_threads(1)
+    if args.chunk_bytes is not None:  # the pipelined hierarchical allreduce's chunk size
+        import importlib
+        ar = importlib.import_module("commlib.primitives.allreduce")
+        ar.PIPELINE_CHUNK_BYTES = args.chunk_bytes or (1 << 62)  # 0: no pipeline
     local_rank, local_size = _node(MPI.COMM_WORLD)
     out: dict[str, Any] = {"local_size": local_size, "allreduce": {}, "training": {}}
     for nbytes in [C.parse_size(s) for s in args.sizes.split(",") if s]:
@@ -190,7 +194,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 def _passthrough(args: argparse.Namespace) -> list[str]:
     return ["--sizes", args.sizes, "--algorithms", args.algorithms, "--width", str(args.width),
             "--depth", str(args.depth), "--batch", str(args.batch), "--steps",
-            str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget)]
+            str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget)] + (
+                [] if args.chunk_bytes is None else ["--chunk-bytes", str(args.chunk_bytes)])
 
 
 def report_run(key: str, run: dict[str, Any]) -> None:
@@ -261,6 +266,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget", type=float, default=2.0, help="seconds per allreduce size")
+    p.add_argument("--chunk-bytes", type=int, default=None,
+                   help="hierarchical allreduce pipeline chunk bytes (0: no pipeline; "
+                        "default: commlib's)")
     p.add_argument("--probe-bytes", type=int, default=16 << 20)
     p.add_argument("--env", action="append", default=[], help="VAR=VALUE for the ranks")
     p.add_argument("--timeout", type=float, default=900)

@@ -81,3 +81,46 @@ def test_teardown_after_exception():
             assert len(names) == 3 and names <= _namespaces()
             raise KeyboardInterrupt
     assert not names & _namespaces()
+
+
+GLOO_PROGRAM = r"""
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+import commlib
+torch.set_num_threads(1)
+commlib.init()
+dist.init_process_group("gloo")  # env:// from commlib's publishing: MASTER_ADDR of node 0
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 4))
+model(torch.randn(8, 64)).sum().backward()  # one DDP step over gloo across the nodes
+grad = model.module.weight.grad.clone()
+t = torch.ones(1 << 20)  # 4 MiB
+dist.all_reduce(t)
+dist.barrier()
+start = time.perf_counter()
+dist.all_reduce(t)
+seconds = time.perf_counter() - start
+out = [None] * dist.get_world_size()
+dist.all_gather_object(out, grad.sum().item())
+if dist.get_rank() == 0:
+    with open(sys.argv[1], "w") as fh:
+        json.dump({"mbit": 4 * 2**20 * 8 / seconds / 1e6, "grads": out,
+                   "master": os.environ["MASTER_ADDR"], "sum": t[0].item()}, fh)
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_ddp_crosses_the_shaped_link(tmp_path):
+    """torch DDP over gloo runs across emulated nodes (rendezvous on node 0's address) and
+    its traffic is limited: a 4 MiB gloo allreduce between 2 nodes at 100 Mbit/s moves at
+    most the link rate (unshaped it is above 300 Mbit/s: the test above)."""
+    script, out = tmp_path / "gloo.py", tmp_path / "gloo.json"
+    script.write_text(GLOO_PROGRAM)
+    with netsim.two_tier(nodes=2, ranks_per_node=1, rate_mbit=100) as cluster:
+        code = cluster.mpiexec([sys.executable, str(script), str(out)], timeout=120)
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["master"] == "10.13.0.1" and r["sum"] == 4.0  # two allreduces of ones
+    assert r["grads"][0] == r["grads"][1]  # DDP averaged the gradients across the nodes
+    assert r["mbit"] < 115, r
