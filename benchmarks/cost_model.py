@@ -360,13 +360,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     rates = SCALE["inter_gbit"]
     fig, axes = plt.subplots(2, len(rates), figsize=(5.5 * len(rates), 8), squeeze=False)
     for j, gbit in enumerate(rates):
-        for name in MODELLED + SCALE_ONLY:
+        for i, name in enumerate(MODELLED + SCALE_ONLY):
             pts = [r for r in rows if r["inter_gbit"] == gbit and r["contender"] == name]
             x = [r["ranks"] for r in pts]
-            axes[0, j].plot(x, [r["step_s"] for r in pts], marker="o", markersize=3, label=name)
+            style = dict(marker="o", markersize=3, label=name, color=plt.cm.tab20(i),
+                         linestyle="--" if name in SCALE_ONLY else "-")
+            axes[0, j].plot(x, [r["step_s"] for r in pts], **style)
             tta = [(r["ranks"], r["tta_vs_sync"]) for r in pts if r["tta_vs_sync"] is not None]
             if tta:
-                axes[1, j].plot(*zip(*tta), marker="o", markersize=3, label=name)
+                axes[1, j].plot(*zip(*tta), **style)
         axes[0, j].set(xscale="log", yscale="log", title=f"{gbit} Gbit/s between nodes",
                        xlabel="ranks (8 per node)", ylabel="predicted step time (s)")
         axes[1, j].set(xscale="log", xlabel="ranks (8 per node)",
