@@ -379,34 +379,28 @@ def _probe(out: str, nbytes: int, reps: int) -> None:
     rank = comm.Get_rank()
     data = np.ones(nbytes, dtype=np.uint8)
     ack = np.zeros(1, dtype=np.uint8)
-    # warm-up: connection setup, TCP window growth
-    for _ in range(2):
+
+    def there_and_back(buf: np.ndarray) -> None:
+        """Rank 0 sends ``buf``, rank 1 answers with one byte."""
         if rank == 0:
-            comm.Send(data[: 1 << 20], dest=1)
+            comm.Send(buf, dest=1)
             comm.Recv(ack, source=1)
         else:
-            comm.Recv(data[: 1 << 20], source=0)
+            comm.Recv(buf, source=0)
             comm.Send(ack, dest=0)
+
+    for _ in range(2):  # warm-up: connection setup, TCP window growth
+        there_and_back(data[: 1 << 20])
     rates = []
     for _ in range(reps):
         comm.Barrier()
         t = time.perf_counter()
-        if rank == 0:
-            comm.Send(data, dest=1)
-            comm.Recv(ack, source=1)
-        else:
-            comm.Recv(data, source=0)
-            comm.Send(ack, dest=0)
+        there_and_back(data)
         rates.append(nbytes * 8 / (time.perf_counter() - t) / 1e6)
     rtts = []
     for _ in range(50):
         t = time.perf_counter()
-        if rank == 0:
-            comm.Send(ack, dest=1)
-            comm.Recv(ack, source=1)
-        else:
-            comm.Recv(ack, source=0)
-            comm.Send(ack, dest=0)
+        there_and_back(ack)
         rtts.append((time.perf_counter() - t) * 1e3)
     hosts = comm.gather(socket.gethostname(), root=0)
     if rank == 0:
