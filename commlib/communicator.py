@@ -27,6 +27,26 @@ def describe_pending(pending: tuple) -> str:
     return f"{op} #{seq} with {what} on {comm.describe()} (rank {comm.rank} of {comm.size})"
 
 
+class Gate:
+    """Start order of multi-stage operations on one communicator (see
+    :mod:`commlib.primitives.work`): tickets handed out in issue order, the ticket whose
+    operation may start now, the operations holding tickets, tickets released early."""
+    __slots__ = ("issued", "turn", "holders", "released")
+
+    def __init__(self) -> None:
+        self.issued = 0
+        self.turn = 0
+        self.holders: dict[int, Any] = {}
+        self.released: set[int] = set()
+
+    def take(self, holder: Any) -> int:
+        ticket = self.issued
+        self.issued += 1
+        if holder is not None:
+            self.holders[ticket] = holder
+        return ticket
+
+
 class Communicator:
     """An MPI communicator with commlib's bookkeeping. ``rank``/``size`` are within it."""
 
@@ -43,6 +63,8 @@ class Communicator:
         self.seq = 0
         self._check_comm: Any = None
         self._node: tuple[Communicator, Communicator | None] | None = None
+        self._node_bcast: Communicator | None = None
+        self.gate = Gate()
 
     # -- bookkeeping around blocking calls -------------------------------------------------
     def next_seq(self) -> int:
@@ -122,7 +144,16 @@ class Communicator:
             lead_c = (Communicator(leaders, self.watchdog, f"{self.name}/leaders")
                       if is_leader else None)
             self._node = (local_c, lead_c)
+            self._node_bcast = local_c.dup(f"{self.name}/node-bcast")
         return self._node
+
+    def node_broadcast(self) -> "Communicator":
+        """A second communicator over my node's ranks (collective on first use, with
+        :meth:`node`): hierarchical operations broadcast on it, so that the node reduces of
+        later operations, started at issue, never queue behind earlier broadcasts."""
+        if self._node is None:
+            self.node()
+        return self._node_bcast
 
     def split(self, member: bool, key: int, name: str) -> "Communicator | None":
         """Collective over this communicator: members form a new one, ordered by ``key``."""
@@ -156,8 +187,9 @@ class Communicator:
         comms = [self.mpi, self._check_comm]
         if self._node is not None:
             comms += [c.mpi for c in self._node if c is not None]
+            comms.append(self._node_bcast.mpi)
         for comm in comms:
             if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
         self.mpi = MPI.COMM_NULL
-        self._check_comm = self._node = None
+        self._check_comm = self._node = self._node_bcast = None

@@ -120,7 +120,7 @@ def test_pipelined_hierarchical_matches_flat_float64(local_size, monkeypatch):
     real = ar._pipelined
 
     def spy(*args):
-        calls.append(len(args[3]))
+        calls.append(len(args[4]))  # (local, bcast, leaders, buf, chunks, mop)
         return (yield from real(*args))
     monkeypatch.setattr(ar, "_pipelined", spy)
     numel = (3 << 20) // 8 + 5  # 3 MiB of float64: 3 chunks, the last one longer
@@ -152,3 +152,106 @@ def test_pipelined_hierarchical_matches_flat_float64(local_size, monkeypatch):
     assert not _agrees(bad, flat), f"rank {rank}: the check missed a broken chunking"
     assert _agrees(bad[:-1000], flat[:-1000])
     commlib.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_async_hierarchical_any_wait_order(local_size, monkeypatch):
+    """Async hierarchical allreduces of different sizes, waited (or polled) in an order that
+    differs from the issue order and from rank to rank, each give the flat result: every
+    stage of every operation starts in issue order on every rank (a rank alone on its node
+    starts the leaders' allreduce at issue, the others only once their node reduce is
+    done). The sizes include pipelined ones (>= 2 MiB). Negative control: the same check
+    rejects the results when two ranks pass the buffers in different orders."""
+    import itertools
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    monkeypatch.setattr(commlib.options, "local_size", local_size)
+    group = commlib.new_group(hierarchical=True)
+    sizes = [1001, 37, (5 << 20) // 8 + 3, 2, 4096]
+    xs = [[np.random.default_rng(7 * r + k).standard_normal(s) for r in range(n)]
+          for k, s in enumerate(sizes)]
+    refs = [sum(x[r] for r in range(n)) for x in xs]
+    orders = list(itertools.permutations(range(len(sizes))))
+    rng = np.random.default_rng(5)
+    for trial in range(12):
+        # trial 0: every rank waits in reverse issue order; then each rank its own order
+        pick = int(rng.integers(len(orders)))
+        order = orders[-1] if trial == 0 else orders[(pick + 31 * rank) % len(orders)]
+        bufs = [x[rank].copy() for x in xs]
+        works = [group.allreduce(b, async_op=True) for b in bufs]
+        if trial % 3 == 0:
+            for _ in range(50):
+                for k in order:
+                    works[k].is_completed()
+        for k in order:
+            works[k].wait()
+        for k, (b, ref) in enumerate(zip(bufs, refs)):
+            assert _agrees(b, ref), f"rank {rank} trial {trial} buffer {k} (wait order {order})"
+
+    # negative control: ranks issuing two same-sized buffers in different orders (what a
+    # start order decided by the wait order amounts to) give results the check rejects
+    a, b = xs[0][rank].copy(), xs[0][(rank + 1) % n].copy()
+    first, second = (a, b) if rank == 0 else (b, a)
+    w1, w2 = group.allreduce(first, async_op=True), group.allreduce(second, async_op=True)
+    w2.wait()
+    w1.wait()
+    assert not _agrees(a, refs[0])
+
+
+class _StartLog:
+    """A proxy of an ``MPI.Comm`` that records the collectives started on it, in order."""
+
+    def __init__(self, comm, log):
+        self._comm, self._log = comm, log
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if callable(attr) and name[:1].isupper() and name not in ("Get_rank", "Get_size"):
+            def logged(*args, **kwargs):
+                self._log.append(name)
+                return attr(*args, **kwargs)
+            return logged
+        return attr
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("local_size", [2, 3])
+def test_blocking_compressed_hierarchical_after_pending_async(local_size, monkeypatch):
+    """A blocking hierarchical compressed allreduce issued while async hierarchical
+    allreduces of the same group are still pending shares their node and leader
+    communicators: it starts its collectives there after theirs on every rank (MPI wants
+    the same start order on every member; MPICH happens to keep blocking and nonblocking
+    collectives apart, so the order is checked on a log of what each rank started), and
+    all results are right."""
+    from commlib.primitives import compressed_allreduce
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    monkeypatch.setattr(commlib.options, "local_size", local_size)
+    group = commlib.new_group(hierarchical=True)
+    local, leaders = group.comm.node()
+    logs = {"local": [], "leaders": [], "bcast": []}
+    bcast = group.comm.node_broadcast()
+    for name, c in (("local", local), ("leaders", leaders), ("bcast", bcast)):
+        if c is not None:
+            monkeypatch.setattr(c, "mpi", _StartLog(c.mpi, logs[name]))
+    xs = [np.random.default_rng(3 + r).standard_normal(3000) for r in range(n)]
+    ys = [np.random.default_rng(50 + r).standard_normal(2000).astype(np.float32)
+          for r in range(n)]
+    a, b = xs[rank].copy(), xs[rank][:700].copy()
+    works = [group.allreduce(a, async_op=True), group.allreduce(b, async_op=True)]
+    y = ys[rank].copy()
+    compressed_allreduce(y, group=group, hierarchical=True)
+    for w in works[::-1]:
+        w.wait()
+    assert _agrees(a, sum(xs)), f"rank {rank}"
+    assert _agrees(b, sum(x[:700] for x in xs)), f"rank {rank}"
+    exact = np.mean(ys, axis=0)
+    assert np.abs(y - exact).max() <= (exact.max() - exact.min()) / 100 + 1e-6
+    monkeypatch.undo()
+    for name, c in (("local", local), ("leaders", leaders), ("bcast", bcast)):
+        if c is not None and c.size > 1:
+            everyone = c.mpi.allgather(logs[name])
+            assert all(e == everyone[0] for e in everyone), \
+                f"rank {rank}: start order on the {name} communicator differs: {everyone}"
+    # the async allreduces started first on the leaders, then the compressed exchange
+    if leaders is not None and leaders.size > 1:
+        assert logs["leaders"][:2] == ["Iallreduce", "Iallreduce"], logs["leaders"]

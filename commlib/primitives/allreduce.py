@@ -10,7 +10,7 @@ from ..buffers import Buf, adapt
 from ..communicator import Communicator
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
 from ._base import blocking, finish_reduce, resolve
-from .work import Work
+from .work import Release, Reserve, Turn, Work
 
 IN_PLACE = MPI.IN_PLACE
 
@@ -65,27 +65,42 @@ PIPELINE_MAX_CHUNKS = 8
 
 def _hierarchical(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: Any) -> Any:
     local, leaders = comm.node()
+    bcast = comm.node_broadcast()
     # The same decision on every rank: it depends on the buffer and on whether any node
     # has more than one rank (then some rank leads no node, so no leaders' group spans
     # the whole communicator).
     flat_world = leaders is not None and leaders.size == comm.size
+    node_steps = local.size > 1
+    across = leaders is not None and leaders.size > 1
+    # Tickets at issue: every stage starts in issue order on its communicator, whatever
+    # order the caller waits in (see commlib.primitives.work).
+    yield Reserve(*([local, bcast] if node_steps else []) + ([leaders] if across else []))
     chunks = [] if flat_world else _chunks(buf)
     if len(chunks) > 1:
-        yield from _pipelined(local, leaders, buf, chunks, mop)
+        yield from _pipelined(local, bcast, leaders if across else None, buf, chunks, mop)
         finish_reduce(buf, op, comm.size)
         return tensor
     msg = buf.msg()
-    if local.size > 1:
+    if node_steps:
         accounting.record("reduce", buf.nbytes, local.size)
         send = IN_PLACE if local.rank == 0 else msg
         recv = msg if local.rank == 0 else None
-        yield local.mpi.Ireduce(send, recv, mop, root=0)
-    if leaders is not None and leaders.size > 1:
+        yield Turn(local)
+        request = local.mpi.Ireduce(send, recv, mop, root=0)
+        yield Release(local)
+        yield request
+    if across:
         accounting.record("allreduce", buf.nbytes, leaders.size)
-        yield leaders.mpi.Iallreduce(IN_PLACE, msg, mop)
-    if local.size > 1:
+        yield Turn(leaders)
+        request = leaders.mpi.Iallreduce(IN_PLACE, msg, mop)
+        yield Release(leaders)
+        yield request
+    if node_steps:
         accounting.record("broadcast", buf.nbytes, local.size)
-        yield local.mpi.Ibcast(msg, root=0)
+        yield Turn(bcast)
+        request = bcast.mpi.Ibcast(msg, root=0)
+        yield Release(bcast)
+        yield request
     finish_reduce(buf, op, comm.size)
     return tensor
 
@@ -103,35 +118,45 @@ def _chunks(buf: Buf) -> list[list]:
     return [[flat[lo:hi], hi - lo, buf.dt.mpi] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _pipelined(local: Communicator, leaders: Communicator | None, buf: Buf,
-               chunks: list[list], mop: Any) -> Any:
-    """The node reduce, leaders' allreduce and node broadcast of each chunk, overlapped.
-    Every rank of a node starts its node-local collectives in the same order (all
-    reduces, then all broadcasts); a non-leader broadcasts into chunk c only after its
-    reduce of chunk c completed (MPI owns a send buffer until then)."""
+def _pipelined(local: Communicator, bcast: Communicator, leaders: Communicator | None,
+               buf: Buf, chunks: list[list], mop: Any) -> Any:
+    """The node reduce, leaders' allreduce and node broadcast of each chunk, overlapped
+    (``leaders``: None when this rank does not take part in an allreduce across nodes).
+    Every rank of a node starts its reduces at issue, its broadcasts (on ``bcast``) in
+    chunk order; a non-leader broadcasts into chunk c only after its reduce of chunk c
+    completed (MPI owns a send buffer until then)."""
     node_steps = local.size > 1
     lead = local.rank == 0
-    across = leaders is not None and leaders.size > 1
     if node_steps:
         accounting.record("reduce", buf.nbytes, local.size)
         accounting.record("broadcast", buf.nbytes, local.size)
-    if across:
+    if leaders is not None:
         accounting.record("allreduce", buf.nbytes, leaders.size)
-    reduces = [local.mpi.Ireduce(IN_PLACE if lead else m, m if lead else None, mop, root=0)
-               if node_steps else None for m in chunks]
+    reduces: list = [None] * len(chunks)
+    if node_steps:
+        yield Turn(local)
+        reduces = [local.mpi.Ireduce(IN_PLACE if lead else m, m if lead else None, mop,
+                                     root=0) for m in chunks]
+        yield Release(local)
     done = reduces
-    if across:
+    if leaders is not None:
         done = []
+        yield Turn(leaders)
         for m, r in zip(chunks, reduces):
             if r is not None:
                 yield r
             done.append(leaders.mpi.Iallreduce(IN_PLACE, m, mop))
+        yield Release(leaders)
     broadcasts = []
+    if node_steps:
+        yield Turn(bcast)
     for m, r in zip(chunks, done):
         if r is not None:
             yield r
         if node_steps:
-            broadcasts.append(local.mpi.Ibcast(m, root=0))
+            broadcasts.append(bcast.mpi.Ibcast(m, root=0))
+    if node_steps:
+        yield Release(bcast)
     for r in broadcasts:
         yield r
     return None

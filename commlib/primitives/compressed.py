@@ -43,6 +43,7 @@ from .finite import all_finite
 from .alltoall import alltoall
 from .broadcast import broadcast
 from .reduce import reduce
+from .work import turn
 
 METHODS = ("minmax_uint8", "sign1")
 NONFINITE = ("propagate", "raise")
@@ -166,12 +167,15 @@ def _check_args(tensor: Any, op: ReduceOp, method: str, state: Any, rank: int,
 def _hierarchical(tensor: Any, op: ReduceOp, comm: Any, method: str, chunk_size: int,
                   state: CompressionState | None, nonfinite: str, commit: bool) -> Any:
     local, leaders = comm.node()
-    reduce(tensor, dst=0, op=ReduceOp.SUM, group=local)
-    if leaders is not None and leaders.size > 1:
-        flat = _float32_flat(tensor)
-        result, _ = _exchange(flat, False, leaders, method, chunk_size, state, nonfinite)
-        _write_back(tensor, result[:flat.shape[0]])
-    broadcast(tensor, src=0, group=local)
+    # after every async hierarchical allreduce issued before (they share these
+    # communicators; see commlib.primitives.work)
+    with turn(*(c for c in (local, leaders) if c is not None)):
+        reduce(tensor, dst=0, op=ReduceOp.SUM, group=local)
+        if leaders is not None and leaders.size > 1:
+            flat = _float32_flat(tensor)
+            result, _ = _exchange(flat, False, leaders, method, chunk_size, state, nonfinite)
+            _write_back(tensor, result[:flat.shape[0]])
+        broadcast(tensor, src=0, group=local)
     if op is ReduceOp.AVG:
         tensor /= comm.size
     if state is not None and nonfinite == "propagate":

@@ -1,8 +1,9 @@
 """Handles of asynchronous operations."""
 from __future__ import annotations
 
+import contextlib
 from time import monotonic, perf_counter, sleep
-from typing import Any, Generator
+from typing import Any, Generator, Iterator
 
 from mpi4py import MPI
 
@@ -12,7 +13,73 @@ from ..communicator import Communicator
 # A stage generator yields MPI requests one after the other (a chain such as the three
 # steps of a hierarchical allreduce) and returns the operation's result. Each ``yield``
 # evaluates to the ``MPI.Status`` of the request it yielded, once that request completed.
+#
+# Operations whose later stages run on other communicators (the node and leader
+# communicators of a hierarchical allreduce) must start those stages in issue order on
+# every rank, whatever order the caller waits in: MPI matches collectives on a
+# communicator by the order they start, and a later stage starts only once its operation
+# is driven (``wait``/``is_completed``), which differs between ranks. Such a generator
+# first yields ``Reserve(c1, c2, ...)`` at issue time (a ticket on each communicator, in
+# issue order), then brackets what it starts on ``c`` by ``yield Turn(c)`` and
+# ``yield Release(c)``: the engine resumes it at ``Turn(c)`` only once every operation
+# issued before it released ``c``, driving those earlier operations forward itself when
+# the caller waits on a later one (they were issued earlier on every rank, so the order
+# is the same everywhere). Tickets not released when an operation ends are released then.
 Stages = Generator[Any, None, Any]
+
+
+class Reserve:
+    """Stage-generator token: take a ticket on each communicator (at issue time)."""
+    __slots__ = ("comms",)
+
+    def __init__(self, *comms: Communicator) -> None:
+        self.comms = comms
+
+
+class Turn:
+    """Stage-generator token: resume once it is this operation's turn on ``comm``."""
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+
+class Release:
+    """Stage-generator token: this operation starts nothing more on ``comm``."""
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+
+def _release(comm: Communicator, ticket: int) -> None:
+    gate = comm.gate
+    gate.released.add(ticket)
+    gate.holders.pop(ticket, None)
+    while gate.turn in gate.released:
+        gate.released.discard(gate.turn)
+        gate.turn += 1
+
+
+@contextlib.contextmanager
+def turn(*comms: Communicator) -> Iterator[None]:
+    """Blocking code that runs collectives on ``comms`` (communicators that multi-stage
+    operations use for their later stages) takes its turn after every operation issued
+    before it, driving them forward until they have released those communicators."""
+    tickets = [(c, c.gate.take(None)) for c in comms]
+    try:
+        for c, t in tickets:
+            _wait_turn(c, t)
+        yield
+    finally:
+        for c, t in tickets:
+            _release(c, t)
+
+
+def _wait_turn(comm: Communicator, ticket: int) -> None:
+    gate = comm.gate
+    while gate.turn != ticket:
+        gate.holders[gate.turn]._step()
 
 
 class Work:
@@ -26,7 +93,7 @@ class Work:
     """
 
     __slots__ = ("_comm", "_op", "_what", "_stages", "_req", "_done", "_result", "_status",
-                 "_t0", "_seq")
+                 "_t0", "_seq", "_tickets")
 
     def __init__(self, comm: Communicator, op: str, what: Any, stages: Stages) -> None:
         self._comm, self._op, self._what, self._stages = comm, op, what, stages
@@ -34,18 +101,61 @@ class Work:
         self._done = False
         self._result: Any = None
         self._status = MPI.Status()
-        try:
-            self._req = next(stages)
-        except StopIteration as stop:
-            self._complete(stop.value)
+        self._tickets: dict | None = None
+        self._req: Any = None
+        self._resume(None)
 
-    def _advance(self) -> None:
+    def _resume(self, value: Any) -> None:
+        """Run the stages until they wait on a request, on a turn not yet come, or end."""
+        stages = self._stages
         try:
-            self._req = self._stages.send(self._status)
-        except StopIteration as stop:
-            self._complete(stop.value)
+            while True:
+                try:
+                    item = stages.send(value)
+                except StopIteration as stop:
+                    self._complete(stop.value)
+                    return
+                value = None
+                cls = item.__class__
+                if cls is Turn:
+                    if item.comm.gate.turn != self._tickets[item.comm]:
+                        self._req = item
+                        return
+                elif cls is Release:
+                    _release(item.comm, self._tickets.pop(item.comm))
+                elif cls is Reserve:
+                    self._tickets = {c: c.gate.take(self) for c in item.comms}
+                else:
+                    self._req = item
+                    return
+        except BaseException:
+            self._release_all()
+            raise
+
+    def _release_all(self) -> None:
+        if self._tickets:
+            for c, t in self._tickets.items():
+                _release(c, t)
+            self._tickets = None
+
+    def _step(self) -> None:
+        """Block until the operation has moved one stage on (a turn came, a request
+        completed), under the watchdog deadline."""
+        req = self._req
+        if req.__class__ is Turn:
+            _wait_turn(req.comm, self._tickets[req.comm])
+            self._resume(None)
+            return
+        comm = self._comm
+        comm.arm(self._op, self._what)
+        try:
+            req.Wait(self._status)
+        finally:
+            comm.disarm()
+        self._resume(self._status)
 
     def _complete(self, result: Any) -> None:
+        self._release_all()
         self._req = None
         self._done = True
         self._result = result
@@ -53,9 +163,27 @@ class Work:
 
     def is_completed(self) -> bool:
         """True once the operation has finished and its result is in place."""
-        while not self._done and self._req.Test(self._status):
-            self._advance()
-        return self._done
+        while not self._done:
+            req = self._req
+            if req.__class__ is Turn:
+                if not self._poll_turn(req.comm):
+                    return False
+                self._resume(None)
+            elif req.Test(self._status):
+                self._resume(self._status)
+            else:
+                return False
+        return True
+
+    def _poll_turn(self, comm: Communicator) -> bool:
+        """Drive earlier operations without blocking; True once it is this one's turn."""
+        gate, ticket = comm.gate, self._tickets[comm]
+        while gate.turn != ticket:
+            before = gate.turn
+            gate.holders[before].is_completed()
+            if gate.turn == before:
+                return False
+        return True
 
     def wait(self, poll_s: float = 0.0) -> Any:
         """Block until done; return the result (see the class docstring).
@@ -72,12 +200,7 @@ class Work:
             finally:
                 comm.disarm()
         while not self._done:
-            comm.arm(self._op, self._what)
-            try:
-                self._req.Wait(self._status)
-            finally:
-                comm.disarm()
-            self._advance()
+            self._step()
         return self._result
 
     def cancel(self, grace_s: float = 1.0) -> bool:
