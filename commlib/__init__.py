@@ -14,6 +14,7 @@ from .reduce_ops import ReduceOp
 from .runtime import (get_local_rank, get_local_size, get_rank, get_world_size, init,
                       is_initialized)
 from .accounting import stats
+from . import timeline  # registers its start at init() (COMMLIB_TIMELINE)
 from . import mpi_env as _mpi_env
 from .torch_backend import hook as _torch_hook
 
@@ -39,7 +40,7 @@ def __getattr__(name: str):
         return getattr(import_module(".sharded", __name__), name)
     if name == "algorithms":
         return import_module(".algorithms", __name__)
-    if name in ("nn", "hooks", "timeline"):
+    if name in ("nn", "hooks"):
         return import_module("." + name, __name__)
     if name in ("Topology", "Grid"):
         return getattr(import_module(".topology", __name__), name)

@@ -57,10 +57,20 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     _world_source = source
     if options.abort_on_exception and MPI.COMM_WORLD.Get_size() > 1:
         _install_excepthook()
-    if options.timeline:
-        from . import timeline
-        timeline.start()
+    for hook in _init_hooks:
+        hook()
     return _world
+
+
+# Called at the end of every init() that makes the world, in registration order; layers
+# above this one register here (the timeline starts itself when COMMLIB_TIMELINE is set),
+# so that this module never imports upward.
+_init_hooks: list = []
+
+
+def on_init(hook: Any) -> None:
+    """Run ``hook()`` at the end of each :func:`init` that creates the world."""
+    _init_hooks.append(hook)
 
 
 def check_launcher(environ: Any) -> None:

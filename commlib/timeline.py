@@ -30,7 +30,9 @@ from time import perf_counter, time
 from threading import get_ident
 from typing import Any, Iterable
 
-from . import accounting
+from . import accounting, runtime
+from .options import options
+from .primitives import barrier
 
 FLUSH_EVERY = 4096  # events buffered before they are written
 
@@ -166,9 +168,6 @@ def start(path: str | None = None) -> str:
     """Collective over the world: start recording to ``rank_path(path, rank)`` (``path``
     default: ``commlib.options.timeline``) after a barrier that sets every rank's time 0.
     Stops a timeline already running first. Returns this rank's file name."""
-    from .options import options
-    from .primitives import barrier
-    from . import runtime
     path = path if path is not None else options.timeline
     if not path:
         raise ValueError(f"commlib.timeline.start (rank {runtime.get_rank()}): argument "
@@ -217,6 +216,12 @@ def merge(paths: Iterable[str], out: str) -> int:
     return len(merged)
 
 
+def _start_configured() -> None:
+    if options.timeline:
+        start()
+
+
 atexit.register(stop)
+runtime.on_init(_start_configured)  # COMMLIB_TIMELINE: record from init() on
 
 __all__ = ["Timeline", "active", "load", "merge", "rank_path", "start", "stop"]

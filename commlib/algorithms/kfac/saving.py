@@ -2,16 +2,16 @@
 :meth:`~commlib.algorithms.Algorithm.state_dict` holds besides the iteration count."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from .. import state
 from . import inverses
 
-if TYPE_CHECKING:
-    from .core import KFAC
+# ``algo`` below is a :class:`.core.KFAC`; core imports this module, never the reverse.
+KFAC = Any
 
 
-def save(algo: "KFAC") -> dict[str, Any]:
+def save(algo: KFAC) -> dict[str, Any]:
     """The layers and owners (checked on load), the number of factor updates, and the
     running factors and the inverses this rank holds, by layer name."""
     return {"layers": [[l.name, l.d_in, l.d_out] for l in algo._layers],
@@ -21,7 +21,7 @@ def save(algo: "KFAC") -> dict[str, Any]:
             "inverses": {name: list(inv) for name, inv in algo.held_inverses().items()}}
 
 
-def load(algo: "KFAC", saved: Mapping[str, Any], where: str) -> None:
+def load(algo: KFAC, saved: Mapping[str, Any], where: str) -> None:
     """Check ``saved`` (a :func:`save` of the same algorithm, model and world size; else
     ``ValueError`` naming what differs), then restore factors, inverses and counters."""
     state.check_keys(where, saved, ("layers", "owners", "inverse", "factor_updates",
