@@ -23,8 +23,7 @@ from .torch_backend import hook as _torch_hook
 # env:// variables from MPI (see commlib.mpi_env), and the "commlib" torch.distributed
 # backend registered once torch is (or when it gets) imported (see
 # commlib.torch_backend.hook); none of them imports torch.
-if (_mpi_env.launcher_world() or (0, 1))[1] > 1:
-    _exits.arm()
+_exits.arm_at_import()
 _mpi_env.publish()
 _torch_hook.install()
 

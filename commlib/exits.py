@@ -48,6 +48,7 @@ from mpi4py import MPI
 
 from . import shm, shutdown
 from .communicator import describe_pending
+from .mpi_env import launcher_world
 from .options import options
 from .watchdog import POLLERS, abort_job
 
@@ -116,6 +117,16 @@ def arm(collective: bool = True) -> None:
         shutdown.at_final(_agree)
 
 
+def arm_at_import() -> None:
+    """``import commlib``: :func:`arm` under an MPI launcher with more than one rank (read
+    from the environment, :func:`commlib.mpi_env.launcher_world`); in a world of one
+    process only release its own shared-memory segment (nobody else maps it)."""
+    if (launcher_world() or (0, 1))[1] > 1:
+        arm()
+    elif MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() == 1:
+        shm.release()
+
+
 def record_exit(status: int, how: str) -> None:
     """Remember how this rank is leaving (for the exit agreement's messages)."""
     global _exit_status
@@ -136,7 +147,6 @@ def _rank() -> int:
             return MPI.COMM_WORLD.Get_rank()
     except Exception:  # noqa: BLE001
         pass
-    from .mpi_env import launcher_world
     return (launcher_world() or (0, 1))[0]
 
 

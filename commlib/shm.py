@@ -12,8 +12,8 @@ after a few hours of test runs on the CI machine).
 every rank of the node has mapped a segment its name is not needed any more: the mappings
 stay valid, the kernel frees the memory when the last rank exits, however it exits, and
 ``MPI_Finalize`` ignores that its own unlink finds nothing. commlib calls it once every rank
-is past ``MPI_Init`` (at import under an MPI launcher, see :mod:`commlib.exits`) and again on
-every path that aborts the job. Only segments this process maps are touched (read from
+is past ``MPI_Init`` (at import under an MPI launcher, see :mod:`commlib.exits`; at once in a
+singleton, which has a segment of its own too) and again on every path that aborts the job. Only segments this process maps are touched (read from
 ``/proc/self/maps``, and a name is unlinked only while it still names the mapped file), so
 other jobs' segments on the same machine are never affected. Linux only; a no-op elsewhere.
 """
