@@ -210,7 +210,7 @@ def _agree() -> None:
         ex.closed = True
     comm = ex.comm
     me, n = comm.Get_rank(), comm.Get_size()
-    status, how = _exit_status or (0, "its script ended")
+    status, how = _exit_status or (0, "its script ended, or raised SystemExit")
     sends = [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n) if r != me]
     barrier = comm.Ibarrier()
     limit, name = ((float(options.exit_window), "COMMLIB_EXIT_WINDOW") if status else
