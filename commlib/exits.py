@@ -164,6 +164,12 @@ def _hook(previous: Any) -> Any:
     return excepthook
 
 
+def _job_status(status: int) -> int:
+    """The status to abort with for a rank that left with ``status`` (as the shell sees
+    it, 0-255; 0 becomes :data:`LEFT_ALONE_EXIT_CODE`: the job did not end well)."""
+    return status % 256 or LEFT_ALONE_EXIT_CODE
+
+
 def _describe(rank: int, how: str) -> str:
     return f"rank {rank} left the program ({how})"
 
@@ -197,7 +203,7 @@ def _poll(armed: dict, now: float) -> None:
                   f"this rank still waits for it after {window:g} s (COMMLIB_EXIT_WINDOW) "
                   f"in {describe_pending(pending)}; a rank that left cannot take part any "
                   f"more: aborting the job",
-                  exit_code=status if status else LEFT_ALONE_EXIT_CODE)
+                  exit_code=_job_status(status))
 
 
 def _agree() -> None:
@@ -223,7 +229,7 @@ def _agree() -> None:
             abort_job(f"[commlib] rank {me}: {_describe(me, how)}, but rank(s) {missing} "
                       f"are still running after {limit:g} s ({name}) and would wait for it: "
                       f"aborting the job",
-                      exit_code=status if status else LEFT_ALONE_EXIT_CODE)
+                      exit_code=_job_status(status))
         time.sleep(POLL_S)
     for r in range(n):
         if r != me and r not in ex.left:
