@@ -15,12 +15,16 @@ from .runtime import (get_local_rank, get_local_size, get_rank, get_world_size, 
                       is_initialized)
 from .accounting import stats
 from . import timeline  # registers its start at init() (COMMLIB_TIMELINE)
+from . import exits as _exits
 from . import mpi_env as _mpi_env
 from .torch_backend import hook as _torch_hook
 
-# Under mpiexec: torch.distributed's env:// variables from MPI (see commlib.mpi_env), and
-# the "commlib" torch.distributed backend registered once torch is (or when it gets)
-# imported (see commlib.torch_backend.hook); neither imports torch.
+# Under mpiexec: the exit paths armed (an exception aborts the job, a rank that leaves alone
+# ends it, MPICH's /dev/shm segments released; see commlib.exits), torch.distributed's
+# env:// variables from MPI (see commlib.mpi_env), and the "commlib" torch.distributed
+# backend registered once torch is (or when it gets) imported (see
+# commlib.torch_backend.hook); none of them imports torch.
+_exits.arm_at_import()
 _mpi_env.publish()
 _torch_hook.install()
 

@@ -86,6 +86,28 @@ def publish(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     return dict(_published)
 
 
+#: (rank variable, size variable) that MPI launchers set in each process's environment:
+#: MPICH's hydra and other PMI-1/PMI-2 launchers (Intel MPI's, ``srun --mpi=pmi2``),
+#: Open MPI's, MVAPICH's.
+LAUNCHER_VARIABLES = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                      ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+
+
+def launcher_world(environ: MutableMapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(rank, size)`` of this process in the job of the MPI launcher that started it, read
+    from the environment alone (no MPI call), or None when no launcher variables are set
+    (a plain ``python`` process, a singleton)."""
+    env = os.environ if environ is None else environ
+    for rank_var, size_var in LAUNCHER_VARIABLES:
+        try:
+            rank, size = int(env[rank_var]), int(env[size_var])
+        except (KeyError, ValueError):
+            continue
+        if size >= 1 and 0 <= rank < size:
+            return rank, size
+    return None
+
+
 def _node(comm: MPI.Comm) -> tuple[int, int]:
     """(rank on this node, ranks on this node), as commlib's hierarchical collectives see
     nodes: shared-memory domains, or blocks of ``COMMLIB_LOCAL_SIZE`` consecutive ranks."""

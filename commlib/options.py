@@ -68,6 +68,11 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
                    "machine); unset means the real shared-memory topology"),
     "cuda_aware": (_parse_tristate, "auto", "COMMLIB_CUDA_AWARE",
                    "whether GPU buffers go straight to MPI: auto (ask the MPI library), 1 or 0"),
+    "exit_window": (_parse_positive_float, 10.0, "COMMLIB_EXIT_WINDOW",
+                    "seconds a rank that left the program may still be waited for: a rank "
+                    "waiting this long in a collective with it, or a rank that left with a "
+                    "non-zero status whose peers did not leave within this time, aborts "
+                    "the job (see commlib.exits)"),
     "abort_on_exception": (_as_bool, True, "COMMLIB_ABORT_ON_EXCEPTION",
                            "an uncaught exception on one rank aborts the whole job "
                            "(only when running with more than one rank)"),

@@ -1,13 +1,14 @@
-"""Process-wide state: the world communicator, the watchdog and the abort-on-exception hook."""
+"""Process-wide state: the world communicator and the watchdog (the exit paths, the
+abort-on-exception hook included, are in :mod:`commlib.exits`)."""
 from __future__ import annotations
 
 import os
 import sys
-import traceback
 from typing import Any
 
 from mpi4py import MPI
 
+from . import exits
 from .communicator import Communicator, describe_pending
 from .errors import CommError
 from .options import options
@@ -55,8 +56,8 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     world_ranks = tuple(source.allgather(MPI.COMM_WORLD.Get_rank()))
     _world = Communicator(source.Dup(), _watchdog, "world", world_ranks)
     _world_source = source
-    if options.abort_on_exception and MPI.COMM_WORLD.Get_size() > 1:
-        _install_excepthook()
+    if MPI.COMM_WORLD.Get_size() > 1:  # done at import under a known MPI launcher
+        exits.arm(collective=comm is None)
     for hook in _init_hooks:
         hook()
     return _world
@@ -130,18 +131,3 @@ def get_local_rank() -> int:
 def get_local_size() -> int:
     """Number of ranks on this node (see :func:`get_local_rank`)."""
     return world().node()[0].size
-
-
-def _install_excepthook() -> None:
-    previous = sys.excepthook
-
-    def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
-        if issubclass(exc_type, KeyboardInterrupt):
-            previous(exc_type, exc, tb)
-            return
-        rank = MPI.COMM_WORLD.Get_rank()
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        abort_job(f"[commlib] rank {rank}: uncaught exception; aborting the job "
-                  f"(COMMLIB_ABORT_ON_EXCEPTION=0 disables this)\n{text}", exit_code=1)
-
-    sys.excepthook = hook

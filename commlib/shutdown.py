@@ -13,14 +13,17 @@ is left running. One ``atexit`` handler, installed on the first registration (so
 mpi4py is imported: it would also run before an ``atexit`` handler of mpi4py's), stops
 the live objects newest first when the interpreter exits: at the end of the script, on
 ``sys.exit`` and after an uncaught exception (with ``COMMLIB_ABORT_ON_EXCEPTION=1`` an
-uncaught exception ends the job through ``MPI_Abort`` before any of this runs).
+uncaught exception ends the job through ``MPI_Abort`` before any of this runs). Then the
+steps given to :func:`at_final` run (the exit agreement with the other ranks of
+:mod:`commlib.exits`), the last thing before mpi4py finalizes MPI.
 
 Stopping is bounded: everything together gets :data:`EXIT_GRACE_S` seconds (at most
 ``COMMLIB_TIMEOUT``). Objects whose stop is collective (the background averager agrees
 with its peers) give up when a peer is gone; if anything is still running at the
 deadline, MPI cannot be finalized safely, so the process leaves at once with status
-:data:`STUCK_EXIT_CODE` without finalizing MPI, after one line on stderr, instead of
-crashing inside or hanging in ``MPI_Finalize``.
+:data:`STUCK_EXIT_CODE` without finalizing MPI (which makes ``mpiexec`` end the other
+ranks), after one line on stderr and releasing MPICH's shared-memory segments
+(:mod:`commlib.shm`), instead of crashing inside or hanging in ``MPI_Finalize``.
 """
 from __future__ import annotations
 
@@ -31,8 +34,9 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
+from . import shm
 from .options import options
 
 #: Seconds that stopping everything at exit may take (bounded by ``COMMLIB_TIMEOUT`` too).
@@ -46,20 +50,34 @@ MIN_STOP_S = 0.5
 _lock = threading.Lock()
 _registered: list[weakref.ref] = []
 _installed = False
+_final: list[Callable[[], None]] = []
 
 
 def register(obj: Any) -> None:
     """Stop ``obj`` (weakly referenced) at interpreter exit, before MPI is finalized, by
     calling ``obj.stop_at_exit(deadline)``. Registering an object twice is harmless."""
-    global _installed
     with _lock:
         _registered[:] = [r for r in _registered if r() is not None]
         if any(r() is obj for r in _registered):
             return
         _registered.append(weakref.ref(obj))
-        if not _installed:
-            atexit.register(_at_exit)
-            _installed = True
+        _install()
+
+
+def at_final(step: Callable[[], None]) -> None:
+    """Run ``step()`` at exit once every registered object has stopped, last thing before
+    MPI is finalized (commlib.exits' agreement with the other ranks); once per step."""
+    with _lock:
+        if step not in _final:
+            _final.append(step)
+        _install()
+
+
+def _install() -> None:
+    global _installed
+    if not _installed:
+        atexit.register(_at_exit)
+        _installed = True
 
 
 def unregister(obj: Any) -> None:
@@ -100,6 +118,8 @@ def _at_exit() -> None:
         # exception", when they are destroyed during interpreter finalization instead:
         # 6 of 30 plain torchrun gloo jobs under load, none with this collection).
         gc.collect()
+        for step in list(_final):
+            step()
         return
     _note(f"{', '.join(repr(o) for o in stuck)} still running at exit (a peer is gone or "
           f"stuck); leaving without finalizing MPI (exit status {STUCK_EXIT_CODE})")
@@ -108,14 +128,32 @@ def _at_exit() -> None:
             stream.flush()
         except Exception:
             pass
+    shm.release()
     os._exit(STUCK_EXIT_CODE)
+
+
+def write_stderr(text: str) -> None:
+    """Write ``text`` (and a newline) to the process's real standard error, file descriptor
+    2, after flushing ``sys.stderr``: a ``sys.stderr`` replaced by a buffer (torch's
+    ``_distributed_excepthook`` does that around the hook that may abort the job) would
+    lose it. Never raises."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    data = (text.rstrip("\n") + "\n").encode("utf-8", "replace")
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        pass
 
 
 def _note(text: str) -> None:
     try:
         from mpi4py import MPI
         rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
-        sys.stderr.write(f"[commlib] rank {rank}: {text}\n")
-        sys.stderr.flush()
     except Exception:
-        pass
+        rank = 0
+    write_stderr(f"[commlib] rank {rank}: {text}")

@@ -10,15 +10,20 @@ fraction of a microsecond, and the blocking call itself is MPI's own.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable
+
+from . import shm
+from .shutdown import write_stderr
 
 # Distinct from timeout(1)'s 124, so a watchdog abort and an outer timeout read differently.
 ABORT_EXIT_CODE = 70
 # Seconds between printing the reason for an abort and calling MPI_Abort.
 ABORT_GRACE_S = 1.0
+#: Called by every watchdog thread on each tick with ``(armed, now)``, after the deadlines
+#: (commlib.exits watches for ranks that left while this one waits for them).
+POLLERS: list[Callable[[dict, float], None]] = []
 
 
 class Watchdog:
@@ -45,15 +50,19 @@ class Watchdog:
                 if now > deadline:
                     self._on_expiry(what)
                     return
+            for poll in POLLERS:
+                try:
+                    poll(self.armed, now)
+                except Exception as exc:  # noqa: BLE001 - the deadlines must stay watched
+                    write_stderr(f"[commlib] watchdog: {poll.__qualname__} failed: {exc!r}")
 
 
 def abort_job(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
-    """Print ``message`` and end every rank of the job, from any thread."""
-    try:
-        sys.stderr.write(message.rstrip("\n") + "\n")
-        sys.stderr.flush()
-    except Exception:
-        pass
+    """Print ``message`` on the process's real standard error (file descriptor 2, whatever
+    ``sys.stderr`` is at the moment) and end every rank of the job, from any thread. The
+    job's MPICH shared-memory segments are released first (:mod:`commlib.shm`)."""
+    write_stderr(message)
+    shm.release()
     # The launcher forwards our stderr through a pipe, and MPI_Abort makes it tear the job
     # down at once; without a moment's grace the diagnostic above is sometimes lost.
     time.sleep(ABORT_GRACE_S)

@@ -19,8 +19,10 @@ that step's backward, i.e. with the step's exchanges done and its optimizer step
 ``noclose``      no fault; the script ends without ``close()`` (nor any collective after
                  the last step)
 
-Lines printed for the test: ``FAULT {json}`` on R right before a fault that ends the
-process, and ``RESULT {json}`` on every rank that finishes: the steps it skipped, whether
+Lines printed for the test: ``SHM [names]`` on every rank after ``init`` (the MPICH
+shared-memory segments it maps: the job must leave none in ``/dev/shm``), ``FAULT {json}``
+on R right before a fault that ends the process, and ``RESULT {json}`` on every rank that
+finishes: the steps it skipped, whether
 its parameters are finite, whether they changed after step K (training went on), digests
 of its parameters at the end of training and, except for ``noclose``, after
 ``average_parameters()`` followed by one more training forward and backward without an
@@ -40,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import commlib
+from helpers import mpich_segments
 
 FAULTS = ("raise", "exit", "kill", "nan", "step_raises", "noclose")
 
@@ -102,6 +105,7 @@ def main() -> None:
     torch.set_num_threads(1)
     commlib.init()
     rank, n = commlib.get_rank(), commlib.get_world_size()
+    print(f"SHM {json.dumps(mpich_segments())}", flush=True)  # none may be left behind
     bad = (args.rank % n) == rank
     k = args.step
 

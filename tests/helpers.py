@@ -62,12 +62,13 @@ def tolerance(dtype: str) -> float:
     return {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6}.get(dtype, 1e-12)
 
 
-def clean_env(**extra: str) -> dict:
-    """Environment for a child ``mpiexec``: without this process's MPI/PMI variables."""
+def clean_env(**extra: str | None) -> dict:
+    """Environment for a child ``mpiexec``: without this process's MPI/PMI variables;
+    ``extra`` set on top (a ``None`` value unsets the variable)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_", "MPI_", "OMPI_"))}
     env.update(extra)
-    return env
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def mpiexec() -> str:
@@ -76,7 +77,8 @@ def mpiexec() -> str:
     return here if os.path.exists(here) else "mpiexec"
 
 
-def run_mpi(n: int, args: list[str], timeout: float, **env: str) -> tuple[int, float, str]:
+def run_mpi(n: int, args: list[str], timeout: float,
+            **env: str | None) -> tuple[int, float, str]:
     """Run ``mpiexec -n n python args...`` with an outer timeout.
 
     Returns (exit status, seconds, combined output); a run that outlives ``timeout`` is
@@ -105,3 +107,29 @@ def _world_size() -> int:
 # Tests that launch their own mpiexec run in the serial session only.
 serial_only = pytest.mark.skipif(_world_size() > 1,
                                  reason="launches its own mpiexec; run in the serial session")
+
+
+def mpich_segments() -> list[str]:
+    """The MPICH shared-memory segments (``/dev/shm/mpich_*``) this process maps, by name,
+    whether or not the name still exists (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    names = set()
+    for line in lines:
+        parts = line.split(None, 5)
+        path = parts[5].strip() if len(parts) == 6 else ""
+        if path.startswith("/dev/shm/mpich_"):
+            names.add(os.path.basename(path.removesuffix(" (deleted)")))
+    return sorted(names)
+
+
+def leftover_segments(out: str) -> list[str]:
+    """The segments a job's ranks announced (``SHM [names]`` lines, see
+    :func:`mpich_segments`) that are still in ``/dev/shm``: the job left them behind."""
+    import json
+    import re
+    names = {n for m in re.findall(r"SHM (\[[^\]]*\])", out) for n in json.loads(m)}
+    return sorted(n for n in names if os.path.exists(os.path.join("/dev/shm", n)))

@@ -57,6 +57,17 @@ def test_launcher_check_names_torchrun_and_the_fix():
         runtime.check_launcher(fine)
 
 
+def test_launcher_world_from_the_environment_alone():
+    """How import commlib knows it runs under an MPI launcher before any user code can fail
+    (commlib.exits arms the abort-on-exception hook then)."""
+    assert mpi_env.launcher_world({}) is None
+    assert mpi_env.launcher_world({"PMI_RANK": "1", "PMI_SIZE": "4"}) == (1, 4)      # hydra
+    assert mpi_env.launcher_world({"OMPI_COMM_WORLD_RANK": "0",
+                                   "OMPI_COMM_WORLD_SIZE": "2"}) == (0, 2)           # Open MPI
+    assert mpi_env.launcher_world({"PMI_RANK": "x", "PMI_SIZE": "2"}) is None
+    assert mpi_env.launcher_world({"PMI_RANK": "2", "PMI_SIZE": "2"}) is None
+
+
 def _python(code: str) -> str:
     env = {k: v for k, v in clean_env().items()
            if k not in mpi_env.VARIABLES + ("TORCHELASTIC_RUN_ID", "GROUP_RANK")}

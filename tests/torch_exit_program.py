@@ -1,9 +1,25 @@
-"""Creates commlib and gloo process groups, uses asynchronous operations and ends without
-destroy_process_group(): the job must still exit 0 (run by test_torch_launch.py).
-A matched isend/irecv pair nobody waits for is completed at exit, before MPI finalizes."""
+"""torch.distributed programs on their exit paths (run by test_torch_launch.py and
+test_faults.py).
+
+Without arguments: creates commlib and gloo process groups, uses asynchronous operations and
+ends without destroy_process_group(): the job must still exit 0. A matched isend/irecv pair
+nobody waits for is completed at exit, before MPI finalizes.
+
+``raise_after_init``: after ``init_process_group("commlib")`` (which installs torch's
+``_distributed_excepthook`` around commlib's hook) rank 1 raises while the others
+all-reduce; the traceback must reach the job's stderr. ``raise_before_init``: rank 1
+raises after ``import commlib``, before anything else, while the others wait for it in
+torch's rendezvous (``init_process_group``). Every rank prints ``SHM [names]`` (see
+helpers.mpich_segments).
+"""
 import atexit
+import json
+import os
+import sys
 
 import torch
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else None
 
 
 def report() -> None:
@@ -12,13 +28,31 @@ def report() -> None:
           f"{never_waited.tolist()}", flush=True)
 
 
-atexit.register(report)
+if MODE is None:
+    atexit.register(report)
 import commlib  # noqa: F401,E402
 import torch.distributed as dist  # noqa: E402
 
+from helpers import mpich_segments  # noqa: E402
+
+print(f"SHM {json.dumps(mpich_segments())}", flush=True)
+if MODE == "raise_before_init" and os.environ.get("RANK") == "1":
+    raise RuntimeError("rank 1 failed on purpose before init")
 dist.init_process_group("commlib")
-gloo = dist.new_group(backend="gloo")
 rank, n = dist.get_rank(), dist.get_world_size()
+if MODE == "raise_after_init":
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose under torch's excepthook")
+    for _ in range(10):
+        dist.all_reduce(t)
+    print(f"rank {rank} finished", flush=True)
+    sys.exit(0)
+if MODE == "raise_before_init":
+    print(f"rank {rank} finished", flush=True)
+    sys.exit(0)
+gloo = dist.new_group(backend="gloo")
 t = torch.ones(1000)
 work = dist.all_reduce(t, async_op=True)
 fut = dist.all_reduce(torch.ones(3), group=gloo, async_op=True).get_future()
