@@ -26,8 +26,14 @@ from .join import Join, TorchJoinHook, notify_torch_join
 COALESCE_BYTES = 64 << 20
 
 
-class DistributedDataParallel(torch.nn.Module, Joinable):
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """Data-parallel training over MPI with a pluggable communication algorithm.
+
+    A subclass of ``torch.nn.parallel.DistributedDataParallel`` (whose ``__init__`` it does
+    not run), so that ``isinstance`` checks in user code and frameworks (Accelerate's
+    ``unwrap_model``, Lightning's strategies, ``torch.distributed.checkpoint``) treat it as
+    torch's wrapper; every method frameworks call on torch's wrapper is provided here
+    (torch's private reducer API is not).
 
     Behaves like ``torch.nn.parallel.DistributedDataParallel`` and takes its arguments in
     its order (see :mod:`commlib.ddp.arguments` for how each is handled): wrap the model,
@@ -62,7 +68,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                  forward_sync_buffers: bool | None = None, *,
                  algorithm: str | Algorithm = "gradient_allreduce",
                  **algorithm_kwargs: Any) -> None:
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not torch DDP's __init__: nothing of it is used
         Joinable.__init__(self)
         self._torch_join_hook: TorchJoinHook | None = None
         arguments.check_module(module)
@@ -212,6 +218,30 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._comm_hook = (state, hook)
         self.algorithm = CommHookAlgorithm(state, hook, self.algorithm)
         self._hooks.algorithm = self.algorithm
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: ``False`` inside :meth:`no_sync` (read at ``forward``)."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """What torch DDP's logger reports, for the fields that apply here (frameworks
+        read it, e.g. Lightning's ``can_set_static_graph`` at teardown)."""
+        return {"module_name": type(self.module).__name__, "algorithm": self.algorithm.name,
+                "world_size": self.process_group.size, "find_unused_parameters":
+                self.find_unused_parameters, "static_graph": self.static_graph,
+                "can_set_static_graph": False}
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("commlib.DistributedDataParallel cannot be pickled or copied (it owns "
+                        "a communicator and a communication thread); copy or save .module")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise TypeError("commlib.DistributedDataParallel cannot be unpickled")
 
     def _set_static_graph(self) -> None:
         """torch's ``_set_static_graph()``: as ``static_graph=True`` at construction."""
