@@ -1,6 +1,7 @@
+import os
+
 import torch
 from torch.utils.data import Dataset
-import fsspec
 from dataclasses import dataclass
 
 """
@@ -17,7 +18,9 @@ class DataConfig:
 class CharDataset(Dataset):
 
     def __init__(self, data_cfg: DataConfig): #data_path: str, block_size):
-        data = fsspec.open(data_cfg.path).open().read().decode('utf-8')
+        # CPU copy: a local file, relative to this directory (was fsspec.open, a URL)
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), data_cfg.path)
+        data = open(path, 'rb').read().decode('utf-8')
         data = data[ : int(len(data) * data_cfg.truncate)]
 
         chars = sorted(list(set(data)))
