@@ -5,8 +5,10 @@
   :class:`DistributedDataParallel` below: commlib's wrapper with the runner's algorithm as
   its default. Code that looks the name up after the runner started (the script and every
   framework it imports, ``from torch.nn.parallel import DistributedDataParallel as DDP``
-  included) builds commlib's wrapper; since commlib's wrapper is a subclass of torch's,
-  ``isinstance`` checks against either class hold. torch's own class stays available as
+  included) builds commlib's wrapper. ``isinstance``/``issubclass`` against that name hold
+  for every DistributedDataParallel, torch's own and commlib's included (so frameworks
+  recognize a wrapper whoever built it), and commlib's wrapper is a subclass of torch's
+  class, so checks against the original hold too. torch's own class stays available as
   :data:`TORCH_DDP`.
 * ``init_process_group()`` without a backend (and
   ``torch.distributed.get_default_backend_for_device``) picks the runner's backend: the
@@ -24,9 +26,23 @@ from .config import Config
 
 TORCH_DDP: Any = None  # torch's own DistributedDataParallel, once installed
 _config = Config()
+_TORCH_CLASS = _CommlibDDP.__bases__[0]  # torch's, whatever the name points to now
 
 
-class DistributedDataParallel(_CommlibDDP):
+class _AnyDistributedDataParallel(type(_CommlibDDP)):  # type: ignore[misc]
+    """The runner's class stands for torch's name: instances of every
+    DistributedDataParallel (torch's, commlib's, the runner's) are instances of it."""
+
+    # By the MRO: ABCMeta's own check would ask torch's class's subclasses, this one included.
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return _TORCH_CLASS in type(obj).__mro__ or \
+            _TORCH_CLASS in getattr(getattr(obj, "__class__", None), "__mro__", ())
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return _TORCH_CLASS in getattr(sub, "__mro__", ())
+
+
+class DistributedDataParallel(_CommlibDDP, metaclass=_AnyDistributedDataParallel):
     """``commlib.DistributedDataParallel`` whose ``algorithm`` defaults to the runner's
     (``--algorithm``, ``--algorithm-config``) and whose replicas are averaged at the
     runner's sync points. Arguments as torch's ``DistributedDataParallel``; an explicit
