@@ -141,14 +141,17 @@ class _Schedule:
         pairs = [(b, i) for b, ids in d.items() for i in ids]
         self.fetched.update(pairs)
         ids = torch.tensor(sorted({i for _, i in pairs}), dtype=torch.int64)
-        rows = t.fetch(ids, batch=t.closed)
+        rows = t.fetch(ids, batch=t.closed, ahead=True)
         for b, want in d.items():
             w = torch.tensor(want, dtype=torch.int64)
             self.chunks.setdefault(b, []).append((w, rows[torch.searchsorted(ids, w)]))
         self.held_log.append(held + len(pairs))
 
     def serve(self, s: int, flats: Sequence[torch.Tensor]) -> list[Any]:
-        """Prepared lookups of batch ``s``, one per input (its rows leave the window)."""
+        """Prepared lookups of batch ``s``, one per input (its rows leave the window).
+        With ``max_norm`` the owners renormalise the batch's rows now, when its forward
+        runs, as torch does (the rows were served renormalised)."""
+        self.table.renorm(self.touched.get(s, ()))
         chunks = self.chunks.pop(s, [])
         self.fetched = {(b, i) for (b, i) in self.fetched if b > s}
         if chunks:

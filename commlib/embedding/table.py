@@ -108,18 +108,23 @@ class ShardTable:
         batch (``grad``: its rows are in the autograd graph). Nothing to do here; a
         lookahead schedule applies what is outstanding. Collective."""
 
-    def fetch(self, ids: torch.Tensor, async_op: bool = False, batch: int | None = None
-              ) -> Any:
+    def fetch(self, ids: torch.Tensor, async_op: bool = False, batch: int | None = None,
+              ahead: bool = False) -> Any:
         """Rows of the sorted unique ``ids`` from their owners, shape ``(len(ids), dim)``
         (new tensor), or a callable returning it when ``async_op``. With ``max_norm`` the
         owners first renormalise the asked rows in place (``torch.embedding_renorm_``, as
-        ``nn.Embedding``'s forward does). ``batch``: the batch the read is for (logs)."""
+        ``nn.Embedding``'s forward does); ``ahead``: only the rows served (the read is
+        early: the table is renormalised when the batch is trained, :meth:`renorm`).
+        ``batch``: the batch the read is for (logs)."""
         req = exchange.Request(ids, self.group, self.n)
         local = torch.div(req.asked, self.n, rounding_mode="floor")
-        if self.max_norm is not None and len(local):
+        if self.max_norm is not None and len(local) and not ahead:
             torch.embedding_renorm_(self.weight, torch.unique(local), self.max_norm,
                                     self.norm_type)
         rows = self.weight[local]
+        if self.max_norm is not None and len(local) and ahead:
+            torch.embedding_renorm_(rows, torch.arange(len(rows)), self.max_norm,
+                                    self.norm_type)
         if self.read_log is not None:
             self.read_log.append({"batch": self.closed if batch is None else batch,
                                   "applied": self.applied, "ids": req.asked.clone(),
@@ -128,6 +133,16 @@ class ShardTable:
         if not async_op:
             return exchange.unroute(req, work)
         return lambda: exchange.unroute(req, work.wait())
+
+    def renorm(self, ids: Any) -> None:
+        """Local, with ``max_norm``: renormalise this rank's rows among the global ``ids``
+        in place (what the forward of a batch whose rows were read ahead does)."""
+        if self.max_norm is None:
+            return
+        local = [i // self.n for i in ids if i % self.n == self.rank]
+        if local:
+            torch.embedding_renorm_(self.weight, torch.tensor(sorted(local)), self.max_norm,
+                                    self.norm_type)
 
     # -- updates -----------------------------------------------------------------------
     def accumulate(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
