@@ -11,6 +11,16 @@ if no batch in ``[f, b - 1]`` touches it, so the fetched value is the synchronou
 oracle fetches each row at the earliest such step, keeps it until its use and evicts it
 right after; within ``capacity`` rows held (optional), earlier uses first. A row is never
 kept across two uses: every use updates it, and the next use needs the updated value.
+
+Lookups the schedule did not prepare (evaluation between steps, a lookup more than
+``inputs`` lists, any lookup after leaving the loop) first apply the background part of
+the last update, so they read the synchronous rows; when their rows are in the autograd
+graph, every rank learns them and rows held for later batches among them are fetched
+again after the update. A batch without an optimizer step (accumulation over loader
+batches) keeps its rows out of early fetches until the step. With ``max_norm`` rows
+fetched ahead are served renormalised and the owners renormalise the table when the
+batch trains (as torch's forward). Ending a pass (exhausted, ``break``, ``close()``) only
+completes requests already issued on every rank: nothing collective is left for it.
 """
 from __future__ import annotations
 
