@@ -230,6 +230,12 @@ class _Schedule:
         self.step()
         self._finish_later()
 
+    def invalidate(self) -> None:
+        """Local: forget the rows held for later batches (the table was loaded); each is
+        fetched again at its batch's step."""
+        self.chunks = {}
+        self.fetched = set()
+
     def close(self) -> None:
         """End of the pass (exhausted, abandoned or closed): apply the background part and
         hand the table back (local: no new collective, so it is safe whenever and

@@ -187,8 +187,9 @@ class _ShardedBase(torch.nn.Module):
             return
         self.flush()
         self._table.load(full)
-        if self.cache is not None:
-            self.cache.invalidate()
+        invalidate = getattr(self._table.policy, "invalidate", None)
+        if invalidate is not None:  # a cache's copies, a lookahead schedule's held rows
+            invalidate()
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """What the table's row-wise optimizer needs to continue exactly: its name,
