@@ -179,10 +179,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                     if p is not None}.values())
         buffers = list({id(b): b for m in unique for b in m._buffers.values()
                         if b is not None}.values())
-        if sync_module_states:
-            with torch.no_grad():
-                for t in own + buffers:
-                    broadcast(t.detach(), 0, self.process_group)
+        if sync_module_states and self.world_size > 1:
+            _broadcast_coalesced(own + buffers, self.process_group)
         self._group_options, group_of = _state.parse_param_groups(
             module, param_groups, rank, {id(p) for p in own})
         shards = 1 if self.sharding_strategy is ShardingStrategy.NO_SHARD else self.world_size
@@ -252,6 +250,21 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                 self._handles.append(m.register_forward_hook(self._post_forward))
         self._state_hooks = _state.FullStateHooks(self, "module", chunks, names,
                                                   _full_chunk, self._restore)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the wrapper lacks are the wrapped module's (as torch's FSDP does), so
+        code written for the unwrapped model (``self.emb.weight``) keeps working."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if name == "module" or "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    def __getitem__(self, key: Any) -> Any:
+        """Indexing reaches the wrapped module (an ``nn.Sequential``, a ``ModuleList``)."""
+        return self.module.__getitem__(key)
 
     def _run(self, fn: Any, *args: Any) -> Any:
         """Run a collective on the gather communicator, after the gathers queued before."""
@@ -415,6 +428,22 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     def extra_repr(self) -> str:
         return (f"sharding_strategy={self.sharding_strategy.value}, chunks={len(self._chunks)}, "
                 f"rank={self.rank}, world_size={self.world_size}")
+
+
+@torch.no_grad()
+def _broadcast_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
+    """Rank 0's values of ``tensors`` on every rank: one broadcast per dtype and device
+    (in first-appearance order, the same on every rank of one model)."""
+    kinds: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        kinds.setdefault((t.dtype, t.device), []).append(t)
+    for ts in kinds.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        broadcast(flat, 0, group)
+        offset = 0
+        for t in ts:
+            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def _full_chunk(c: Chunk, t: torch.Tensor) -> torch.Tensor:
