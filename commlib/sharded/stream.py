@@ -42,8 +42,9 @@ class ChunkSchedule:
 
     def use_released(self, c: Chunk, i: int) -> torch.Tensor:
         """A placeholder of chunk ``c`` was used (see :class:`chunks.ReleasedView`): inside
-        this wrapper's forward, gather ``c`` and keep it for the rest of every forward;
-        anywhere else raise naming the parameter. Returns the gathered view of slot ``i``."""
+        this wrapper's forward, gather ``c`` (FULL_SHARD: and keep it for the rest of every
+        forward; SHARD_GRAD_OP: wait for its gather under way); anywhere else raise naming
+        the parameter. Returns the gathered view of slot ``i``."""
         name = c.slots[i].name
         if self._closed or not self._in_forward:
             why = "the wrapper was closed" if self._closed else (
@@ -82,14 +83,20 @@ class ChunkSchedule:
         self._in_forward = True
         if not self._full_shard:
             # SHARD_GRAD_OP: every chunk whose shard changed is re-gathered, all requests
-            # at once; each module waits for its own chunks in its pre-hook
+            # at once; each module waits for its own chunks in its pre-hook. Until then
+            # the owners hold placeholders: a use elsewhere (a hook of a parent module)
+            # waits for the chunk instead of reading memory MPI is still writing.
             for i in self._order or range(len(self._chunks)):
                 c = self._chunks[i]
                 if c.shards == 1 and c.stale():
                     self._gather(c)   # NO_SHARD: mixed precision's cast copy, at once
                 self._request(c)
             for c in self._chunks:
-                c.set_views()
+                if c.index in self._inflight:
+                    c.set_released_views()
+                else:
+                    c.set_views()
+                    self._fresh.add(c.index)
             try:
                 return self.module(*args, **kwargs)
             finally:
@@ -97,6 +104,8 @@ class ChunkSchedule:
                 for c in self._chunks:
                     if c.stale():
                         self._gather(c)
+                    if c.index not in self._fresh:
+                        c.set_views()
                 if self._order is None:
                     self._order = self._order_rec
         try:
@@ -182,7 +191,7 @@ class ChunkSchedule:
                 self._gather(c)
                 if self._full_shard:
                     self._prefetch_after(c, 1)
-            if self._full_shard and c.index not in self._fresh:
+            if c.index not in self._fresh:
                 c.set_views()   # under this forward's grad mode, on gathered memory
                 self._fresh.add(c.index)
 
