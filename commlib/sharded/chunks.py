@@ -83,6 +83,7 @@ class Chunk:
         # whoever gathers this chunk on demand (:class:`ReleasedView`); set by the wrapper
         self.owner: Any = None
         self.released: list[torch.Tensor] | None = None   # the placeholders
+        self.placeholders = False   # whether the owners hold them now
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """New flat padded buffer of ``tensors`` (this chunk's layout)."""
@@ -135,6 +136,7 @@ class Chunk:
             self.views.append(view)
             for module, attr in slot.owners:
                 setattr(module, attr, view)
+        self.placeholders = False
 
     def set_released_views(self) -> None:
         """Point every owner attribute at a :class:`ReleasedView` (made once, while the
@@ -152,6 +154,7 @@ class Chunk:
         for slot, placeholder in zip(self.slots, self.released):
             for module, attr in slot.owners:
                 setattr(module, attr, placeholder)
+        self.placeholders = True
 
     def state_bytes(self) -> dict[str, int]:
         item = self.shard.element_size()

@@ -26,15 +26,20 @@ class ChunkSchedule:
 
     # -- chunk states -------------------------------------------------------------------
     def _free(self, c: Chunk) -> None:
-        """FULL_SHARD: release chunk ``c``'s memory; its owners get placeholders."""
+        """FULL_SHARD: release chunk ``c``'s memory; its owners get placeholders (also on
+        one rank, where the memory is the shard's and stays: the same uses work and fail
+        at every world size)."""
         if c.shards > 1 and c.gathered:
             c.set_released_views()
             c.free()
             self._fresh.discard(c.index)
+        elif c.shards == 1 and not c.placeholders:
+            c.set_released_views()
+            self._fresh.discard(c.index)
 
     def _restore(self, c: Chunk) -> None:
         """Put views (or, when released, placeholders) back on ``c``'s owners."""
-        if c.shards > 1 and not c.gathered:
+        if c.placeholders or (c.shards > 1 and not c.gathered):
             c.set_released_views()
         else:
             c.set_views()
