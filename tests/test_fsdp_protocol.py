@@ -120,6 +120,11 @@ def test_parent_state_dict_holds_the_wrapped_submodule(one_thread_per_rank):
             outer.load_state_dict(partial)
         missing, unexpected = outer.load_state_dict(partial, strict=False)
         assert missing == ["enc.body.head.bias"] and unexpected == [], (missing, unexpected)
+        # a module inside the wrapper, asked directly, would lack its parameters: refused
+        with pytest.raises(RuntimeError, match="through the wrapper"):
+            model.blocks[0].state_dict()
+        with pytest.raises(RuntimeError, match="through the wrapper"):
+            model.head.load_state_dict(ref.head.state_dict())
         outer.enc.body.close()
 
 

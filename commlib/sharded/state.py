@@ -94,7 +94,9 @@ class FullStateHooks:
     ``prefix`` and registers full copies (the current values) as targets for torch's own
     loading (shape checks, missing and unexpected keys, ``assign``); the post-hook cuts
     this rank's shards out of them, removes the registrations and names the keys as the
-    unwrapped module does. Collective over the wrapper's group (the gathers)."""
+    unwrapped module does. Collective over the wrapper's group (the gathers). A module
+    whose parameters the wrapper holds refuses a state dict (or a load) asked of it
+    directly, which would lack them."""
 
     def __init__(self, wrapper: nn.Module, inner: str, chunks: list[Chunk],
                  names: dict[int, list[str]], gather: Gather,
@@ -109,10 +111,23 @@ class FullStateHooks:
         def post_load(module: nn.Module, incompatible: Any) -> None:
             self._post_load(incompatible)
 
+        self._saving = 0
         self.handles = [wrapper.register_state_dict_pre_hook(self._pre_save),
                         wrapper.register_state_dict_post_hook(post_save),
                         wrapper.register_load_state_dict_pre_hook(self._pre_load),
                         wrapper.register_load_state_dict_post_hook(post_load)]
+        # a module whose parameters the wrapper holds, asked directly, would silently
+        # lack them: it refuses instead
+        for m in {id(m): m for c in chunks for m in c.modules}.values():
+            self.handles += [m.register_state_dict_pre_hook(self._guard),
+                             m.register_load_state_dict_pre_hook(self._guard)]
+
+    def _guard(self, module: nn.Module, *args: Any) -> None:
+        if not self._saving and not self._loading:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: {type(module).__name__}'s parameters are sharded "
+                f"(it is inside a FullyShardedDataParallel): take the state dict, or load "
+                f"it, through the wrapper or a module holding it")
 
     # -- registrations ------------------------------------------------------------------
     @torch.no_grad()
@@ -143,8 +158,10 @@ class FullStateHooks:
     # -- saving -------------------------------------------------------------------------
     def _pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self._register(self._full_values())
+        self._saving += 1
 
     def _post_save(self, destination: Any, prefix: str) -> None:
+        self._saving -= 1
         self._unregister()
         # the wrapper's entries are the last ones written: re-append them renamed, in order
         for k in [k for k in destination if k.startswith(prefix)]:
