@@ -209,11 +209,17 @@ def test_vocab_parallel_embedding_and_cross_entropy():
     loss.backward()
     ref.backward()
     torch.testing.assert_close(full_grad(col), head.weight.grad, rtol=0, atol=1e-12)
-    # negative control: each rank's loss over its own block only is not the loss
+    # negative control: each rank's loss over its own block only is not the loss (the
+    # targets made local to the block, since the whole vocabulary's ids now raise)
     if group.size > 1:
-        alone = parallel_cross_entropy(col(x).detach(), target, commlib.new_subgroup(
-            [commlib.get_rank()]), vocab_size=col.local)
+        alone_group = commlib.new_subgroup([commlib.get_rank()])
+        with pytest.raises(IndexError, match="'target'"):
+            parallel_cross_entropy(col(x).detach(), target, alone_group,
+                                   vocab_size=col.local)
+        alone = parallel_cross_entropy(col(x).detach(), target % col.local, alone_group,
+                                       vocab_size=col.local)
         assert abs(alone.item() - ref.item()) > 1e-6
+        alone_group.free()
 
 
 def test_ddp_along_the_data_parallel_axis():
