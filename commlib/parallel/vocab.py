@@ -85,7 +85,7 @@ class VocabParallelEmbedding(torch.nn.Module):
     def from_embedding(cls, embedding: torch.nn.Embedding,
                        group: Any = None) -> "VocabParallelEmbedding":
         """The sharded equivalent of ``embedding`` (the same weights on every rank), with
-        its ``padding_idx``, ``max_norm`` and ``norm_type``."""
+        its ``padding_idx``, ``max_norm``, ``norm_type`` and ``requires_grad``."""
         rank = _group(group).rank
         for name in ("scale_grad_by_freq", "sparse"):
             if getattr(embedding, name, False):
@@ -98,6 +98,7 @@ class VocabParallelEmbedding(torch.nn.Module):
                     norm_type=embedding.norm_type)
         with torch.no_grad():
             layer.weight.copy_(embedding.weight[layer.start:layer.start + layer.local])
+        layer.weight.requires_grad_(embedding.weight.requires_grad)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
