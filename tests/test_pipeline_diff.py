@@ -13,6 +13,7 @@ replica allreduce, the old exchange that gave frozen parameters zero gradients, 
 data-parallel axis left unaveraged) must be rejected by the same checks.
 """
 import copy
+import os
 import dataclasses
 
 import numpy as np
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("one_thread_per_rank")]
 
 # generated cases per layout pp x dp at each world size (fewer where a case costs more)
 CASES = {1: 60, 2: 40, 3: 30, 4: 25}
+SCALE = float(os.environ.get("COMMLIB_DIFF_SCALE", "1"))  # more cases for a soak run
 lossf = torch.nn.functional.mse_loss
 
 
@@ -131,13 +133,15 @@ def data(case, d, step, rows=None):
 def optimizer(case, params):
     if case.optimizer == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
-    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    # eps=1e-3: the first steps divide by |grad| + eps, ill-conditioned for grads near
+    # a tiny eps, where the order of the sums (which differs by design) would show
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-3)
 
 
 def close(a, b, case):
     # float64: rounding differs only in the order of the sums (replicas, micro-batches);
     # AdamW and BatchNorm amplify it a little, a broken exchange gives 1e-3 or more
-    tol = (1e-4, 1e-5) if case.mixed32 else (1e-8, 1e-9)
+    tol = (1e-4, 1e-5) if case.mixed32 else (1e-9, 1e-10)
     return torch.allclose(a.detach().to(b.dtype), b.detach(), rtol=tol[0], atol=tol[1])
 
 
@@ -256,7 +260,7 @@ def test_pipeline_matches_one_process(layouts):
     n = commlib.get_world_size()
     counts = {}
     for (pp, dp), topo in sorted(layouts.items()):
-        for i in range(CASES.get(n, 20)):
+        for i in range(int(CASES.get(n, 20) * SCALE)):
             case = generate(1000 * n + 100 * pp + i, pp, dp)
             problems = run_case(case, topo)
             if rejected(problems):
