@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("one_thread_per_rank")]
 
 # generated cases per layout pp x dp at each world size (fewer where a case costs more)
 CASES = {1: 60, 2: 40, 3: 30, 4: 25}
-SCALE = float(os.environ.get("COMMLIB_DIFF_SCALE", "1"))  # more cases for a soak run
+SCALE = float(os.environ.get("DIFF_CASES_SCALE", "1"))  # more cases for a soak run
 lossf = torch.nn.functional.mse_loss
 
 

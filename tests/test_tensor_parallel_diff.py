@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("one_thread_per_rank")]
 
 MODEL_CASES = {1: 60, 2: 40, 3: 30, 4: 25}   # per group size, at each world size
 VOCAB_CASES = {1: 60, 2: 40, 3: 30, 4: 25}
-SCALE = float(os.environ.get("COMMLIB_DIFF_SCALE", "1"))  # more cases for a soak run
+SCALE = float(os.environ.get("DIFF_CASES_SCALE", "1"))  # more cases for a soak run
 ACTS = [torch.nn.ReLU, torch.nn.Tanh, torch.nn.GELU, torch.nn.Identity]
 
 
