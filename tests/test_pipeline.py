@@ -312,3 +312,19 @@ def test_close_frees_communicators():
         pipe.train_step(*batch(24))
     assert pipe._replica_groups == {}
     commlib.barrier()
+
+
+@pytest.mark.mpi
+def test_stages_sharing_a_parameter_are_refused():
+    """A weight tied across two stages (an embedding and its head) would train as two
+    copies on two ranks: refused on every rank, naming the parameter."""
+    n = commlib.get_world_size()
+    stages = make_stages(max(n, 2), seed=25)
+    stages[-1][0].weight = stages[0][0].weight
+    if n == 1:
+        stages = [torch.nn.Sequential(stages[0], stages[-1])]  # one stage: a tie is fine
+        commlib.pipeline.Pipeline(stages, micro_batches=2, loss_fn=lossf).close()
+        return
+    with pytest.raises(ValueError, match=r"'0.weight' of stage .* stage 0"):
+        commlib.pipeline.Pipeline(stages[:n], micro_batches=2, loss_fn=lossf)
+    commlib.barrier()

@@ -76,8 +76,9 @@ def shard_model(model: torch.nn.Module, group: Any = None,
     with another module (a language-model head tied to its embedding: the tie stays
     intact), a Linear reachable at two places of the model, and a Linear too narrow to
     split over the group (fewer output features than ranks; for the second of a pair,
-    fewer input features). The plan depends only on the model's structure, so it is the
-    same on every rank."""
+    fewer input features). Ties are found within ``model`` (shard the module that holds
+    both ends of a tie, not its parts one by one). The plan depends only on the model's
+    structure, so it is the same on every rank."""
     group = group if group is not None else primitives.world()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"commlib.parallel.shard_model: argument 'model' must be a "

@@ -82,6 +82,17 @@ class Pipeline(torch.nn.Module):
         if not all(isinstance(s, torch.nn.Module) for s in stages):
             raise TypeError(f"{where('Pipeline', rank)}: argument 'stages' must be a list "
                             f"of torch.nn.Module")
+        owner: dict = {}
+        for s, module in enumerate(stages):
+            for name, p in module.named_parameters():
+                first = owner.setdefault(id(p), (s, name))
+                if first[0] != s:
+                    raise ValueError(
+                        f"{where('Pipeline', rank)}: argument 'stages': parameter {name!r} "
+                        f"of stage {s} is also parameter {first[1]!r} of stage {first[0]}; "
+                        f"stages must not share parameters (a tie between stages on "
+                        f"different ranks would silently break: each would train its own "
+                        f"copy)")
         self.schedule = generate(schedule, self.group.size, micro_batches, chunks)
         if len(stages) != self.schedule.stages:
             raise ValueError(f"{where('Pipeline', rank)}: argument 'stages' has "
