@@ -13,8 +13,8 @@ replica allreduce, the old exchange that gave frozen parameters zero gradients, 
 data-parallel axis left unaveraged) must be rejected by the same checks.
 """
 import copy
-import os
 import dataclasses
+import os
 
 import numpy as np
 import pytest

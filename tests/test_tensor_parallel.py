@@ -370,8 +370,9 @@ def test_shard_model_keeps_tied_weights_and_narrow_layers():
     model = shard_model(copy.deepcopy(ref), min_params=1)
     problems = []
     if type(model[3]) is not torch.nn.Linear or model[3].weight is not model[0].weight:
+        kept = getattr(model[3], "weight", None) is model[0].weight
         problems.append(f"the tied head became {type(model[3]).__name__}, tie "
-                        f"{'kept' if getattr(model[3], 'weight', None) is model[0].weight else 'broken'}")
+                        f"{'kept' if kept else 'broken'}")
     if commlib.get_world_size() > 1 and type(model[1]).__name__ != "ColumnParallelLinear":
         problems.append(f"the untied body layer is {type(model[1]).__name__}")
     ids = torch.tensor([[1, 4, 7], [10, 0, 3]])

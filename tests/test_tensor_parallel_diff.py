@@ -20,8 +20,8 @@ planner), sharded layers that forget ``requires_grad=False``, a cross-entropy th
 ignored targets, an embedding that ignores ``padding_idx`` or ``max_norm``.
 """
 import copy
-import os
 import dataclasses
+import os
 
 import numpy as np
 import pytest
