@@ -22,8 +22,7 @@ class _LookupReduce(torch.autograd.Function):
         flat = torch.cat([out.reshape(-1), torch.tensor([float(bad)], dtype=out.dtype)])
         if group.size > 1:
             group.allreduce(flat)
-        ctx.mark_non_differentiable(flat)
-        return flat[:-1].view_as(out), flat[-1:]
+        return flat[:-1].view_as(out), float(flat[-1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _flag: Any) -> tuple:
@@ -120,7 +119,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         out = torch.nn.functional.embedding(local, self.weight, self.local_padding_idx)
         out = out * inside.unsqueeze(-1).to(out.dtype)
         out, flag = _LookupReduce.apply(out, bad, self.group)
-        if flag.item() != 0:
+        if flag != 0:
             if bad:
                 lo, hi = int(ids.min()), int(ids.max())
                 detail = f"got ids from {lo} to {hi}"
