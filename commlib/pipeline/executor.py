@@ -276,9 +276,7 @@ class Pipeline(torch.nn.Module):
                 _unpack(flat, params)
         for p, g in saved.items():
             if g is not None:
-                if p.grad is not None:
-                    g += p.grad
-                p.grad = g
+                p.grad = g + p.grad if p.grad is not None else g
         self.group.allreduce(loss_sum)
         return float(loss_sum[0]) / m_count
 
