@@ -83,7 +83,7 @@ def test_one_rank_bit_identical(kind, optimizer):
 
 def test_bad_input():
     with pytest.raises(ValueError, match="mode"):
-        commlib.ShardedEmbeddingBag(N, D, mode="max")
+        commlib.ShardedEmbeddingBag(N, D, mode="min")
     with pytest.raises(ValueError, match="optimizer"):
         commlib.ShardedEmbeddingBag(N, D, optimizer="lamb")
     with pytest.raises(ValueError, match="num_embeddings"):
@@ -170,8 +170,7 @@ def run(optimizer="adagrad", tau=0, prefetch=False, control=False, steps=6, per_
             F.cross_entropy(ddp(ids), y).backward()
             opt.step()  # its post hook closes the embedding batch
             t = emb.table
-            # the invariant: at most tau batches read but not applied (besides the open one)
-            assert t.issued - t.applied <= tau + 1
+            # the invariant: a read for batch j saw exactly max(0, j - tau) updates
             for rec in t.read_log or ():
                 assert rec["applied"] == max(0, rec["batch"] - tau), rec
             assert t.closed == step + 1

@@ -170,7 +170,7 @@ def test_state_dict_round_trip_and_eval_without_grad(one_thread_per_rank):
         a, b = fsdp(x), other(x)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(not c.gathered for c in other._chunks if c.shards > 1)
-    with pytest.raises(RuntimeError, match="missing keys"):
+    with pytest.raises(RuntimeError, match="Missing key"):
         other.load_state_dict({k: v for k, v in sd.items() if k != "head.bias"})
     fsdp.close()
     other.close()

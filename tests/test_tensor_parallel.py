@@ -209,11 +209,17 @@ def test_vocab_parallel_embedding_and_cross_entropy():
     loss.backward()
     ref.backward()
     torch.testing.assert_close(full_grad(col), head.weight.grad, rtol=0, atol=1e-12)
-    # negative control: each rank's loss over its own block only is not the loss
+    # negative control: each rank's loss over its own block only is not the loss (the
+    # targets made local to the block, since the whole vocabulary's ids now raise)
     if group.size > 1:
-        alone = parallel_cross_entropy(col(x).detach(), target, commlib.new_subgroup(
-            [commlib.get_rank()]), vocab_size=col.local)
+        alone_group = commlib.new_subgroup([commlib.get_rank()])
+        with pytest.raises(IndexError, match="'target'"):
+            parallel_cross_entropy(col(x).detach(), target, alone_group,
+                                   vocab_size=col.local)
+        alone = parallel_cross_entropy(col(x).detach(), target % col.local, alone_group,
+                                       vocab_size=col.local)
         assert abs(alone.item() - ref.item()) > 1e-6
+        alone_group.free()
 
 
 def test_ddp_along_the_data_parallel_axis():
@@ -243,3 +249,151 @@ def test_ddp_along_the_data_parallel_axis():
                                atol=1e-12)
     del ddp
     topo.free()
+
+
+def agree(ok, message):
+    """Fail on every rank when any rank failed (no rank runs ahead into the next test's
+    collectives)."""
+    flags = commlib.allgather(np.array([0 if ok else 1]))[:, 0]
+    if flags.any():
+        raise AssertionError(f"rank {commlib.get_rank()}: failed on ranks "
+                             f"{np.nonzero(flags)[0].tolist()}; here: {'' if ok else message}")
+
+
+def raises_everywhere(exc, match, fn):
+    """``fn()`` raises ``exc`` matching ``match`` on this rank; agreed over the world."""
+    try:
+        fn()
+        got = "no exception"
+    except exc as e:
+        import re
+        got = None if re.search(match, str(e)) else f"{exc.__name__}: {e}"
+    except Exception as e:  # noqa: BLE001
+        got = f"{type(e).__name__}: {e}"
+    agree(got is None, f"expected {exc.__name__} matching {match!r}, got {got}")
+
+
+def test_parallel_cross_entropy_ignore_index_reduction_smoothing():
+    """Issue 19, item 6: ignore_index (default -100), reduction and label_smoothing as
+    torch; targets outside the vocabulary raise IndexError on every rank."""
+    from commlib.parallel import parallel_cross_entropy
+    group = commlib.world()
+    torch.manual_seed(3)
+    head = torch.nn.Linear(5, 13).double()
+    x = data(6, 8, 5)
+    target = torch.tensor([0, -100, 12, 4, -100, 7, 7, 1])
+    col = ColumnParallelLinear.from_linear(head, group, gather_output=False)
+    problems = []
+    for kwargs in [{}, {"reduction": "sum"}, {"reduction": "none"},
+                   {"label_smoothing": 0.2}, {"ignore_index": 7, "reduction": "sum"},
+                   {"ignore_index": 7, "label_smoothing": 0.5, "reduction": "none"}]:
+        t = target.clone()
+        if "ignore_index" in kwargs:
+            t[t == -100] = 3
+        col.zero_grad()
+        head.zero_grad()
+        loss = parallel_cross_entropy(col(x), t, group, **kwargs)
+        ref = torch.nn.functional.cross_entropy(head(x), t, **kwargs)
+        w = data(7, *ref.shape, 1)[..., 0]
+        (loss * w).sum().backward()
+        (ref * w).sum().backward()
+        if not torch.allclose(loss, ref, rtol=0, atol=1e-12):
+            problems.append(f"{kwargs}: loss {loss.tolist()} != {ref.tolist()}")
+        if not torch.allclose(full_grad(col), head.weight.grad, rtol=0, atol=1e-12):
+            problems.append(f"{kwargs}: gradients differ")
+    agree(not problems, problems)
+    for bad in (torch.tensor([0, 13, 1, 2, 3, 4, 5, 6]), torch.tensor([0, -1, 1, 2, 3, 4, 5, 6])):
+        raises_everywhere(IndexError, r"'target'.*\[0, 13\)",
+                          lambda: parallel_cross_entropy(col(x), bad, group))
+    raises_everywhere(ValueError, "'reduction'",
+                      lambda: parallel_cross_entropy(col(x), target, group, reduction="avg"))
+    raises_everywhere(ValueError, "'label_smoothing'",
+                      lambda: parallel_cross_entropy(col(x), target, group,
+                                                     label_smoothing=1.5))
+    raises_everywhere(TypeError, "'target'",
+                      lambda: parallel_cross_entropy(col(x), torch.rand(8, 13), group))
+
+
+def test_vocab_parallel_embedding_out_of_range_padding_max_norm():
+    """Issue 19, items 7 and 20: out-of-range ids raise IndexError on every rank naming
+    'ids' and the range; padding_idx and max_norm as torch.nn.Embedding."""
+    from commlib.parallel import VocabParallelEmbedding
+    group = commlib.world()
+    torch.manual_seed(4)
+    emb = torch.nn.Embedding(13, 5, padding_idx=-3, max_norm=1.5, norm_type=2.0).double()
+    layer = VocabParallelEmbedding.from_embedding(emb, group)
+    for bad in ([[0, 13]], [[-1, 2]]):
+        raises_everywhere(IndexError, r"'ids'.*\[0, 13\)", lambda: layer(torch.tensor(bad)))
+    problems = []
+    if layer.padding_idx != 10:
+        problems.append(f"padding_idx {layer.padding_idx}")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (layer, emb))
+    for step in range(3):
+        ids = torch.tensor([[0, 10, 12, 5], [10, 7, 3, 12]]) if step % 2 == 0 else \
+            torch.tensor([[10, 1, 4, 4]])
+        g = data(8 + step, *ids.shape, 5)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out, want = layer(ids), emb(ids)
+        if not torch.allclose(out, want, rtol=0, atol=1e-12):
+            problems.append(f"step {step}: output differs")
+        (out * g).sum().backward()
+        (want * g).sum().backward()
+        sl = slice(layer.start, layer.start + layer.local)
+        if not torch.allclose(layer.weight.grad, emb.weight.grad[sl], rtol=0, atol=1e-12):
+            problems.append(f"step {step}: gradient differs")
+        opt.step()
+        ref_opt.step()
+        if not torch.allclose(layer.weight.detach(), emb.weight.detach()[sl], rtol=0,
+                              atol=1e-12):
+            problems.append(f"step {step}: weights differ (renorm or padding row)")
+    agree(not problems, problems)
+    raises_everywhere(ValueError, "'padding_idx'",
+                      lambda: VocabParallelEmbedding(13, 5, group, padding_idx=13))
+
+
+def tied_lm(seed=0, vocab=11, width=8):
+    """An embedding, a body, and a head whose weight is the embedding's."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, width),
+                                torch.nn.Linear(width, width), torch.nn.Tanh(),
+                                torch.nn.Linear(width, vocab, bias=False)).double()
+    model[3].weight = model[0].weight
+    return model
+
+
+def test_shard_model_keeps_tied_weights_and_narrow_layers():
+    """Issue 19, item 8: a head tied to the embedding stays a replicated Linear holding the
+    embedding's weight (the same function after 3 steps); a Linear too narrow to split over
+    the group is left replicated instead of raising."""
+    ref = tied_lm()
+    model = shard_model(copy.deepcopy(ref), min_params=1)
+    problems = []
+    if type(model[3]) is not torch.nn.Linear or model[3].weight is not model[0].weight:
+        kept = getattr(model[3], "weight", None) is model[0].weight
+        problems.append(f"the tied head became {type(model[3]).__name__}, tie "
+                        f"{'kept' if kept else 'broken'}")
+    if commlib.get_world_size() > 1 and type(model[1]).__name__ != "ColumnParallelLinear":
+        problems.append(f"the untied body layer is {type(model[1]).__name__}")
+    ids = torch.tensor([[1, 4, 7], [10, 0, 3]])
+    for m in (ref, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.3)
+        for step in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(ids).reshape(-1, 11),
+                                              torch.arange(6) % 11).backward()
+            opt.step()
+    err = (model(ids) - ref(ids)).abs().max().item()
+    if err > 1e-12:
+        problems.append(f"outputs differ by {err} after 3 steps")
+    narrow = torch.nn.Sequential(torch.nn.Linear(6, 1), torch.nn.ReLU(),
+                                 torch.nn.Linear(1, 4)).double()
+    try:
+        narrow = shard_model(narrow, min_params=1)
+        n = commlib.get_world_size()
+        kinds = [type(m).__name__ for m in narrow]
+        if n > 1 and kinds != ["Linear", "ReLU", "ColumnParallelLinear"] and n <= 4:
+            problems.append(f"narrow layers sharded as {kinds}")
+    except ValueError as e:
+        problems.append(f"narrow Linear raised {e}")
+    agree(not problems, problems)

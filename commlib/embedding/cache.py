@@ -80,12 +80,10 @@ class EmbeddingCache:
         return len(self.value)
 
     # -- reads -------------------------------------------------------------------------
-    def read(self, ids: torch.Tensor, training: bool) -> torch.Tensor:
-        """Rows of the sorted unique ``ids``, ``(len(ids), dim)``; collective."""
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the sorted unique ``ids``, ``(len(ids), dim)`` (any lookup, training or
+        not, of the open batch); collective."""
         t = self.table
-        if training:
-            t.issued += 1
-            t.applied = t.issued - 1  # updates are the cache's business: nothing queued
         keys = ids.tolist()
         have = torch.tensor([self.version.get(i, -1) for i in keys], dtype=torch.int64)
         perm, splits = exchange.route(ids, t.n)
@@ -129,7 +127,7 @@ class EmbeddingCache:
         """Take this batch's gradients into the cache (local write-back), push rows over
         the push bound and the dirty rows evicted down to capacity. Collective."""
         t = self.table
-        if t.trained > t.closed:
+        if t.backward_seen:
             t.closed += 1
             t.backward_seen = False
             ids, grads = t.take_pending()

@@ -2,62 +2,51 @@
 table sharded over a commlib group and updated row-wise by the owners."""
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import where
+from .lookup import Lookup, Rows
 from .table import ShardTable
 
-_MODES = ("sum", "mean")
+_MODES = ("sum", "mean", "max")
 
 
-class _Rows(torch.autograd.Function):
-    """The fetched rows as a leaf of the graph: their gradient goes to the table."""
+def _check_padding(name: str, num_embeddings: int, padding_idx: Any, max_norm: Any,
+                   norm_type: Any, cache: Any) -> int | None:
+    """torch's checks of ``padding_idx`` (negative counts from the end) and the norm
+    arguments; ``ValueError``/``TypeError`` naming them (on every rank: from arguments)."""
+    from .. import runtime
+    here = where(name, runtime.get_rank())
+    if padding_idx is not None:
+        if not isinstance(padding_idx, int) or isinstance(padding_idx, bool):
+            raise TypeError(f"{here}: argument 'padding_idx' must be an int or None, got "
+                            f"{padding_idx!r}")
+        if isinstance(num_embeddings, int) and not \
+                -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"{here}: argument 'padding_idx'={padding_idx} must be within "
+                             f"num_embeddings ([-{num_embeddings}, {num_embeddings}))")
+        if isinstance(num_embeddings, int) and padding_idx < 0:
+            padding_idx += num_embeddings
+    if max_norm is not None:
+        if not isinstance(max_norm, numbers.Real) or isinstance(max_norm, bool) \
+                or not max_norm > 0:
+            raise ValueError(f"{here}: argument 'max_norm' must be a positive float or "
+                             f"None, got {max_norm!r}")
+        if cache is not None:
+            raise ValueError(f"{here}: arguments 'max_norm' and 'cache' can't be combined "
+                             f"(the owners renormalise the rows they serve)")
+    if not isinstance(norm_type, numbers.Real) or isinstance(norm_type, bool) \
+            or not norm_type > 0:
+        raise ValueError(f"{here}: argument 'norm_type' must be a positive float, got "
+                         f"{norm_type!r}")
+    return padding_idx
 
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, lookup: "_Lookup") -> torch.Tensor:
-        ctx.lookup = lookup
-        return lookup.rows
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        lookup = ctx.lookup
-        if grad.is_sparse:  # torch's sparse embedding backward: one value per use
-            grad = _dense_rows(grad, len(lookup.ids))
-        lookup.table.accumulate(lookup.ids, grad)
-        return None, None
-
-
-def _dense_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:
-    """The per-row sums of a sparse ``(rows, dim)`` gradient (torch's coalesce, so the
-    sums match those ``torch.optim`` computes from a ``sparse=True`` embedding)."""
-    grad = grad.coalesce()
-    out = torch.zeros(rows, grad.shape[1], dtype=grad.dtype)
-    out[grad.indices()[0]] = grad.values()
-    return out
-
-
-class _Lookup:
-    """One lookup: the sorted unique ids, the positions of the input in them, the rows."""
-
-    __slots__ = ("table", "ids", "inverse", "rows", "_get", "key")
-
-    def __init__(self, table: ShardTable, flat: torch.Tensor) -> None:
-        self.table = table
-        self.key = flat
-        self.ids, self.inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        self.rows: torch.Tensor | None = None
-        self._get = None
-
-    def resolve(self) -> torch.Tensor:
-        if self.rows is None:
-            self.rows = self._get()
-            self._get = None
-        return self.rows
 
 
 class _ShardedBase(torch.nn.Module):
@@ -68,16 +57,27 @@ class _ShardedBase(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Any = None,
                  optimizer: str = "sgd", lr: float = 0.01, staleness: int = 0,
                  cache: Any = None, dtype: torch.dtype | None = None,
-                 _weight: torch.Tensor | None = None, hook_optimizers: bool = True) -> None:
+                 _weight: torch.Tensor | None = None, hook_optimizers: bool = True, *,
+                 padding_idx: int | None = None, max_norm: float | None = None,
+                 norm_type: float = 2.0) -> None:
         super().__init__()
+        padding_idx = _check_padding(self._name, num_embeddings, padding_idx, max_norm,
+                                     norm_type, cache)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.max_norm = padding_idx, max_norm
+        self.norm_type = float(norm_type)
         dtype = dtype or torch.get_default_dtype()
         # Not an nn.Parameter nor a buffer: DDP (ours or torch's) and optimizers never see
         # the table; it has its own exchange and owner-side optimizer.
         self._table = ShardTable(num_embeddings, embedding_dim, group, optimizer, lr, dtype,
-                                 staleness, self._name, _weight)
+                                 staleness, self._name, _weight, padding_idx,
+                                 None if max_norm is None else float(max_norm),
+                                 self.norm_type)
         self._anchor = torch.zeros(0, dtype=dtype, requires_grad=True)
-        self._prefetched: deque = deque()
+        # Lookups a loader prepared: those of the batch being trained (consumed in order
+        # by its training lookups) and every prepared one not consumed yet.
+        self._scheduled: deque = deque()
+        self._outstanding: list[Lookup] = []
         self.cache = None
         if cache is not None:
             if staleness:
@@ -105,32 +105,68 @@ class _ShardedBase(torch.nn.Module):
     def step(self) -> None:
         """Close the current batch: apply its embedding update (``staleness=0``) or queue
         it. Called by every ``torch.optim`` optimizer step (a global post hook), so users
-        need not call it. Collective over the group."""
+        need not call it; a batch is everything since the last step (several lookups,
+        several backward passes: their gradients summed, one update, as torch's
+        accumulate-then-step). A step after no backward through the table does nothing.
+        Collective over the group."""
         self._table.policy.step()
 
     def flush(self) -> None:
-        """Apply every outstanding update (queued batches, cached writes). Collective."""
+        """Apply every outstanding update (queued batches, cached writes, a lookahead
+        schedule's background part) and drop the lookups a loader prepared and nobody
+        used (later lookups fetch the flushed rows). Collective."""
+        self._release()
         self._table.policy.flush()
 
-    def prefetch(self, input: torch.Tensor) -> None:
-        """Issue the lookup of a future batch now (its rows arrive in the background);
-        the next ``forward`` calls consume prefetched lookups in order and must pass the
-        same ``input``. Collective; used by :class:`commlib.embedding.PrefetchLoader`."""
+    # -- lookups a loader prepares (PrefetchLoader, LookaheadLoader) -------------------
+    def _prefetch(self, inputs: Sequence[torch.Tensor], ahead: int) -> list[Lookup]:
+        """Issue the lookups of the batch ``ahead`` batches after the open one now (rows
+        arrive in the background), under the staleness bound. Collective."""
         if self.cache is not None:
             raise ValueError(f"{where(self._name, self._table.rank)}: prefetch is not "
                              f"supported with a cache")
-        flat = self._flat(input)
-        lookup = _Lookup(self._table, flat)
-        self._table.begin_read()
-        lookup._get = self._table.fetch(lookup.ids, async_op=True)
-        self._prefetched.append(lookup)
+        flats = [self._flat(x) for x in inputs]
+        batch = self._table.begin_read(ahead)
+        out = []
+        for flat in flats:
+            lookup = Lookup(self._table, flat)
+            lookup._get = self._table.fetch(lookup.ids, async_op=True, batch=batch)
+            out.append(lookup)
+        self._outstanding.extend(out)
+        return out
 
-    def _prefetch_ready(self, flat: torch.Tensor, rows: torch.Tensor) -> None:
-        """A lookup whose rows are already here (from a :class:`LookaheadLoader`)."""
-        lookup = _Lookup(self._table, flat)
+    def _ready(self, flat: torch.Tensor, rows: torch.Tensor) -> Lookup:
+        """A prepared lookup whose rows are already here (a lookahead schedule's)."""
+        lookup = Lookup(self._table, flat)
         lookup.rows = rows
-        self._table.issued += 1
-        self._prefetched.append(lookup)
+        self._outstanding.append(lookup)
+        return lookup
+
+    def _schedule(self, lookups: Sequence[Lookup]) -> None:
+        """The batch being trained starts: its training lookups consume ``lookups`` in
+        order (local)."""
+        self._scheduled = deque(x for x in lookups if not x.released)
+
+    def _unschedule(self, lookups: Sequence[Lookup]) -> int:
+        """The loader moves past (or abandons) the batch of ``lookups``: release those not
+        consumed (local). Returns how many were left unused."""
+        mine = {id(x) for x in lookups}
+        self._scheduled = deque(x for x in self._scheduled if id(x) not in mine)
+        waiting = {id(x) for x in self._outstanding}
+        unused = [x for x in lookups if id(x) in waiting]
+        self._drop(unused)
+        return len(unused)
+
+    def _drop(self, lookups: Sequence[Lookup]) -> None:
+        gone = {id(x) for x in lookups}
+        for x in lookups:
+            x.release()
+        self._outstanding = [x for x in self._outstanding if id(x) not in gone]
+
+    def _release(self) -> None:
+        """Drop every prepared lookup not consumed yet (local)."""
+        self._drop(list(self._outstanding))
+        self._scheduled = deque()
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         self.flush()
@@ -151,8 +187,9 @@ class _ShardedBase(torch.nn.Module):
             return
         self.flush()
         self._table.load(full)
-        if self.cache is not None:
-            self.cache.invalidate()
+        invalidate = getattr(self._table.policy, "invalidate", None)
+        if invalidate is not None:  # a cache's copies, a lookahead schedule's held rows
+            invalidate()
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """What the table's row-wise optimizer needs to continue exactly: its name,
@@ -175,7 +212,12 @@ class _ShardedBase(torch.nn.Module):
 
     def close(self) -> None:
         """Remove the optimizer hook and free the table's communicator (collective; the
-        module is unusable after)."""
+        module is unusable after). Prepared lookups and a lookahead schedule's background
+        exchange are completed first; queued updates are not applied (``flush()`` them)."""
+        self._release()
+        close = getattr(self._table.policy, "close", None)
+        if close is not None:
+            close()
         self._unhook()
         if self._table.group.comm is not None:
             self._table.group.free()
@@ -204,28 +246,47 @@ class _ShardedBase(torch.nn.Module):
         self._table.check_ids(flat)
         return flat
 
-    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows (in the graph when training) and the input remapped to them."""
+    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Rows (in the graph when grad is enabled), the input remapped to them and the
+        padding row's position among them (None: absent).
+
+        A training lookup (grad enabled, module in training mode) of a batch a loader
+        prepared takes the next prepared lookup (the same count on every rank); any other
+        lookup (evaluation, ``no_grad``, one more than the loader listed, or none
+        prepared) fetches the rows now, after whatever is outstanding was applied."""
         flat = self._flat(input)
-        training = torch.is_grad_enabled()
-        if training:
-            self._table.begin_training()
-        if self._prefetched:
-            lookup = self._prefetched.popleft()
+        grad = torch.is_grad_enabled()
+        t = self._table
+        if grad and self.training and self._scheduled:
+            lookup = self._scheduled.popleft()
+            self._outstanding = [x for x in self._outstanding if x is not lookup]
             if not torch.equal(lookup.key, flat):
-                raise ValueError(f"{where(self._name, self._table.rank)}: argument 'input' "
-                                 f"differs from the prefetched batch it should be")
+                lookup.release()
+                raise ValueError(f"{where(self._name, t.rank)}: argument 'input' differs "
+                                 f"from the lookup the loader prepared for this call (the "
+                                 f"training forward must call the table with what "
+                                 f"'inputs' returns, in that order)")
             lookup.resolve()
         else:
-            lookup = _Lookup(self._table, flat)
+            lookup = Lookup(t, flat)
             if self.cache is not None:
-                lookup.rows = self.cache.read(lookup.ids, training)
+                lookup.rows = self.cache.read(lookup.ids)
             else:
-                if training:
-                    self._table.begin_read()
-                lookup.rows = self._table.fetch(lookup.ids)
-        rows = _Rows.apply(self._anchor, lookup) if training else lookup.rows
-        return rows, lookup.inverse.reshape(input.shape)
+                t.policy.before_read(lookup.ids, grad)
+                t.begin_read()
+                lookup.rows = t.fetch(lookup.ids)
+        rows = Rows.apply(self._anchor, lookup, self.padding_idx) if grad else lookup.rows
+        return rows, lookup.inverse.reshape(input.shape), lookup.padding(self.padding_idx)
+
+    def _extra(self) -> str:
+        s = ""
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.max_norm is not None:
+            s += f", max_norm={self.max_norm}"
+        if self.norm_type != 2.0:
+            s += f", norm_type={self.norm_type}"
+        return s
 
 
 class ShardedEmbeddingBag(_ShardedBase):
@@ -234,20 +295,31 @@ class ShardedEmbeddingBag(_ShardedBase):
     Row ``i`` of the ``(num_embeddings, embedding_dim)`` table lives on group rank
     ``i % n``. ``forward(input, offsets=None, per_sample_weights=None)`` takes torch's
     arguments (``input`` 2-D ``(B, L)`` bags, or 1-D with ``offsets``; int32/int64 ids) and
-    returns ``(B, embedding_dim)`` of the table's dtype. Collective over the group: every
-    rank calls it (with its own ids, possibly none) the same number of times.
+    returns ``(B, embedding_dim)`` of the table's dtype; ``mode`` ``"sum"``, ``"mean"`` or
+    ``"max"`` (``per_sample_weights`` with ``"sum"`` only, as torch). Collective over the
+    group: every rank calls it (with its own ids, possibly none) the same number of times.
 
-    Training: the gradient of each looked-up row (summed over its uses on this rank) goes
-    to the owner, which averages over the group (as DDP averages dense gradients) and
-    applies the row-wise ``optimizer`` (``"sgd"``, ``"adagrad"`` or ``"adam"``: torch's
-    ``SGD``, ``Adagrad`` and ``SparseAdam`` on a sparse gradient, learning rate ``lr``,
-    torch's defaults otherwise; pass e.g. ``RowAdam(lr, betas, eps)`` for other settings)
-    when any ``torch.optim`` optimizer steps, or at the latest before the next lookup
-    (:meth:`step`). ``staleness=tau``: up to ``tau`` earlier batches may be read before
-    their updates are applied (Persia). ``cache``: an :class:`EmbeddingCache` (HET).
-    ``state_dict()`` holds the whole table as ``weight`` (gathered, every rank);
-    ``load_state_dict`` keeps this rank's rows. The table is no ``nn.Parameter``:
-    ``commlib.DistributedDataParallel`` and optimizers leave it alone.
+    ``padding_idx`` (torch's meaning; negative counts from the end): entries equal to it
+    are left out of every bag's reduction (and of ``"mean"``'s count), its row gets no
+    gradient and starts at zero (unless ``_weight`` gives it). ``max_norm``/``norm_type``:
+    each looked-up row whose ``norm_type``-norm exceeds ``max_norm`` is renormalised in
+    the table first (by its owner, in place, as ``torch.embedding_renorm_``), in every
+    lookup, training or not.
+
+    Training: the gradient of each looked-up row (summed over its uses on this rank, over
+    every lookup and backward pass since the last step) goes to the owner, which averages
+    over the group (as DDP averages dense gradients) and applies the row-wise
+    ``optimizer`` (``"sgd"``, ``"adagrad"`` or ``"adam"``: torch's ``SGD``, ``Adagrad`` and
+    ``SparseAdam`` on a sparse gradient, learning rate ``lr``, torch's defaults otherwise;
+    pass e.g. ``RowAdam(lr, betas, eps)`` for other settings) when any ``torch.optim``
+    optimizer steps (or :meth:`step`). Until then every lookup reads the same table:
+    gradient accumulation over micro-batches, several lookups of one table per batch and
+    evaluation forwards between steps give torch's results. ``staleness=tau``: up to
+    ``tau`` earlier batches may be read before their updates are applied (Persia).
+    ``cache``: an :class:`EmbeddingCache` (HET). ``state_dict()`` holds the whole table as
+    ``weight`` (gathered, every rank); ``load_state_dict`` keeps this rank's rows. The
+    table is no ``nn.Parameter``: ``commlib.DistributedDataParallel`` and optimizers leave
+    it alone.
     """
 
     _name = "ShardedEmbeddingBag"
@@ -256,41 +328,62 @@ class ShardedEmbeddingBag(_ShardedBase):
                  group: Any = None, optimizer: str = "sgd", lr: float = 0.01,
                  staleness: int = 0, cache: Any = None, dtype: torch.dtype | None = None,
                  include_last_offset: bool = False, _weight: torch.Tensor | None = None,
-                 hook_optimizers: bool = True) -> None:
+                 hook_optimizers: bool = True, *, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
         if mode not in _MODES:
             from .. import runtime
             raise ValueError(f"{where(self._name, runtime.get_rank())}: argument 'mode' "
                              f"must be one of {_MODES}, got {mode!r}")
         super().__init__(num_embeddings, embedding_dim, group, optimizer, lr, staleness,
-                         cache, dtype, _weight, hook_optimizers)
+                         cache, dtype, _weight, hook_optimizers, padding_idx=padding_idx,
+                         max_norm=max_norm, norm_type=norm_type)
         self.mode = mode
         self.include_last_offset = include_last_offset
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        rows, local = self._rows(input)
+        here = where(self._name, self._table.rank)
+        # torch's argument checks, before anything is fetched
+        if isinstance(input, torch.Tensor):
+            if input.dim() == 2 and offsets is not None:
+                raise ValueError(f"{here}: if input is 2D, then offsets has to be None, as "
+                                 f"input is treated is a mini-batch of fixed length sequences")
+            if input.dim() == 1 and offsets is None:
+                raise ValueError(f"{here}: offsets has to be a 1D Tensor but got None")
+            if input.dim() not in (1, 2):
+                raise ValueError(f"{here}: input has to be 1D or 2D Tensor, but got Tensor "
+                                 f"of dimension {input.dim()}")
+        if per_sample_weights is not None and self.mode != "sum":
+            raise NotImplementedError(
+                f"{here}: embedding_bag: per_sample_weights was not None. "
+                f"per_sample_weights is only supported for mode='sum' (got "
+                f"mode='{self.mode}')")
+        rows, local, pad = self._rows(input)
         return F.embedding_bag(local, rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset, sparse=True)
+                               include_last_offset=self.include_last_offset,
+                               sparse=self.mode != "max", padding_idx=pad)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, "
-                f"shards={self._table.n}")
+        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
+                f"{self._extra()}, shards={self._table.n}")
 
 
 class ShardedEmbedding(_ShardedBase):
     """``torch.nn.Embedding`` whose table is sharded over a commlib group: ``forward(input)``
-    maps int ids of any shape ``S`` to ``(*S, embedding_dim)``. Everything else as
-    :class:`ShardedEmbeddingBag`."""
+    maps int ids of any shape ``S`` to ``(*S, embedding_dim)``; ``padding_idx``: its
+    entries get the padding row (zero unless ``_weight`` gives it) and no gradient;
+    ``max_norm``/``norm_type`` as torch. Everything else as :class:`ShardedEmbeddingBag`."""
 
     _name = "ShardedEmbedding"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows, local = self._rows(input)
-        return F.embedding(local, rows, sparse=True)
+        rows, local, pad = self._rows(input)
+        return F.embedding(local, rows, padding_idx=pad, sparse=True)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, shards={self._table.n}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}{self._extra()}, "
+                f"shards={self._table.n}")
 
 
 def _register_step_hook(module: _ShardedBase) -> list[Any]:

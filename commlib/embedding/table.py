@@ -1,12 +1,16 @@
 """The sharded table behind :class:`ShardedEmbeddingBag`: this rank's rows, their
 optimizer state and versions, and the collective lookups and updates.
 
-Row ``i`` lives on group rank ``i % n`` at local row ``i // n``. A *batch* is what the
-training lookups between two :meth:`ShardTable.step` calls read. With ``staleness=tau``
-the update of a batch may wait in a queue; the table keeps the invariant
+Row ``i`` lives on group rank ``i % n`` at local row ``i // n``. A *batch* is everything
+between two :meth:`ShardTable.step` calls that close one (an optimizer step after at least
+one backward pass through the table): every lookup of the open batch reads the same
+table, and the gradients of all its lookups and backward passes are summed into one
+update, as torch accumulates ``.grad`` until ``optimizer.step()``. Batch ``j`` (0-based;
+the open one is ``closed``) may be read early (prefetched). With ``staleness=tau`` the
+update of a batch may wait in a queue; the table keeps the invariant
 
-    at the moment a batch is read, at most ``tau`` earlier batches were read whose
-    updates are not yet applied (``issued - applied <= tau``),
+    a read for batch ``j`` sees the updates of at least ``j - tau`` batches
+    (``applied >= j - tau``; a lookup of the open batch: ``applied >= closed - tau``),
 
 applying the oldest queued updates before a read whenever it would break. ``tau = 0`` is
 synchronous: every update is applied at the step that closes its batch.
@@ -30,7 +34,8 @@ class ShardTable:
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Any, optimizer: Any,
                  lr: float, dtype: torch.dtype, staleness: int, owner: str,
-                 weight: torch.Tensor | None) -> None:
+                 weight: torch.Tensor | None, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
         from ..primitives._base import resolve
         parent = resolve(group, owner)
         self.owner = owner
@@ -57,16 +62,18 @@ class ShardTable:
             self.weight = weight.detach()[self.rank::self.n].to(dtype).clone()
         else:
             self.weight = torch.randn(rows, embedding_dim, dtype=dtype)
+            if padding_idx is not None and padding_idx % self.n == self.rank:
+                self.weight[padding_idx // self.n] = 0  # torch: the padding row starts at 0
+        self.padding_idx = padding_idx
+        self.max_norm, self.norm_type = max_norm, norm_type
         self.version = torch.zeros(rows, dtype=torch.int64)
         self.optimizer = make_optimizer(optimizer, lr, self.rank)
         self.optimizer.init_state(self.weight)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this batch's grads
         self.queue: deque = deque()        # closed batches whose update is not applied
-        self.issued = 0                    # batches read (training lookups)
-        self.trained = 0                   # batches whose training forward ran
-        self.closed = 0                    # batches closed by step()
+        self.closed = 0                    # batches closed by step() (the open one's index)
         self.applied = 0                   # batches whose update is applied
-        self.backward_seen = False
+        self.backward_seen = False         # the open batch holds gradients
         # What closes batches and flushes: the table itself, or an attached cache or
         # lookahead schedule (objects with step() and flush()).
         self.policy: Any = self
@@ -76,49 +83,66 @@ class ShardTable:
         self.apply_filter: Callable | None = None
 
     # -- reads -------------------------------------------------------------------------
-    def begin_training(self) -> None:
-        """Local: a training forward runs; the first one after a step opens a batch."""
-        if self.trained > self.closed and self.backward_seen:
-            self.policy.step()  # a new forward after a backward: the last batch is over
-        if self.trained == self.closed:
-            self.trained += 1
-
     def check_ids(self, ids: torch.Tensor, name: str = "input") -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise ValueError(f"{where(self.owner, self.rank)}: argument {name!r} holds ids "
                              f"outside [0, {self.num_embeddings}): min {int(ids.min())}, "
                              f"max {int(ids.max())}")
 
-    def begin_read(self) -> int:
-        """Account for a new training batch read; apply queued updates first where the
-        staleness bound requires it. Returns the batch's index."""
-        if self.trained > self.closed and self.backward_seen:
-            self.policy.step()  # at the latest before the next lookup
-        while self.issued - self.applied > self.staleness:
+    def begin_read(self, ahead: int = 0) -> int:
+        """A read for batch ``closed + ahead`` (``ahead`` batches after the open one) is
+        about to happen: apply queued updates first where the staleness bound requires it
+        (collective when it applies). Returns the batch's index."""
+        batch = self.closed + ahead
+        while self.applied < batch - self.staleness:
             if not self.queue:
                 raise RuntimeError(
-                    f"{where(self.owner, self.rank)}: cannot read batch {self.issued} with "
+                    f"{where(self.owner, self.rank)}: cannot read batch {batch} with "
                     f"staleness {self.staleness}: only {self.closed} batches closed by a "
                     f"step, {self.applied} applied")
             self.apply_oldest()
-        index = self.issued
-        self.issued += 1
-        return index
+        return batch
 
-    def fetch(self, ids: torch.Tensor, async_op: bool = False) -> Any:
+    def before_read(self, ids: torch.Tensor, grad: bool) -> None:
+        """Policy hook: a lookup no schedule prepared is about to read ``ids`` of the open
+        batch (``grad``: its rows are in the autograd graph). Nothing to do here; a
+        lookahead schedule applies what is outstanding. Collective."""
+
+    def fetch(self, ids: torch.Tensor, async_op: bool = False, batch: int | None = None,
+              ahead: bool = False) -> Any:
         """Rows of the sorted unique ``ids`` from their owners, shape ``(len(ids), dim)``
-        (new tensor), or a callable returning it when ``async_op``."""
+        (new tensor), or a callable returning it when ``async_op``. With ``max_norm`` the
+        owners first renormalise the asked rows in place (``torch.embedding_renorm_``, as
+        ``nn.Embedding``'s forward does); ``ahead``: only the rows served (the read is
+        early: the table is renormalised when the batch is trained, :meth:`renorm`).
+        ``batch``: the batch the read is for (logs)."""
         req = exchange.Request(ids, self.group, self.n)
         local = torch.div(req.asked, self.n, rounding_mode="floor")
+        if self.max_norm is not None and len(local) and not ahead:
+            torch.embedding_renorm_(self.weight, torch.unique(local), self.max_norm,
+                                    self.norm_type)
         rows = self.weight[local]
+        if self.max_norm is not None and len(local) and ahead:
+            torch.embedding_renorm_(rows, torch.arange(len(rows)), self.max_norm,
+                                    self.norm_type)
         if self.read_log is not None:
-            self.read_log.append({"batch": self.issued - 1, "applied": self.applied,
-                                  "ids": req.asked.clone(), "version":
-                                  self.version[local].clone()})
+            self.read_log.append({"batch": self.closed if batch is None else batch,
+                                  "applied": self.applied, "ids": req.asked.clone(),
+                                  "version": self.version[local].clone()})
         work = exchange.reply(req, rows, self.group, async_op=async_op)
         if not async_op:
             return exchange.unroute(req, work)
         return lambda: exchange.unroute(req, work.wait())
+
+    def renorm(self, ids: Any) -> None:
+        """Local, with ``max_norm``: renormalise this rank's rows among the global ``ids``
+        in place (what the forward of a batch whose rows were read ahead does)."""
+        if self.max_norm is None:
+            return
+        local = [i // self.n for i in ids if i % self.n == self.rank]
+        if local:
+            torch.embedding_renorm_(self.weight, torch.tensor(sorted(local)), self.max_norm,
+                                    self.norm_type)
 
     # -- updates -----------------------------------------------------------------------
     def accumulate(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -128,9 +152,11 @@ class ShardTable:
         self.backward_seen = True
 
     def step(self) -> None:
-        """Close the open batch (if any): its gradients join the queue; applied at once
-        when ``staleness == 0``."""
-        if self.trained > self.closed:
+        """Close the open batch if a backward pass reached the table in it (every rank
+        alike, as DDP requires): its gradients join the queue; applied at once when
+        ``staleness == 0``. A batch without gradients stays open (torch's optimizers skip
+        a parameter whose ``.grad`` is None)."""
+        if self.backward_seen:
             self.queue.append(self.take_pending())
             self.closed += 1
             self.backward_seen = False
@@ -244,4 +270,4 @@ class ShardTable:
         for key, full in saved.items():
             self.load(full, mine[key])
         step = int(state.get("step", 0))
-        self.issued = self.trained = self.closed = self.applied = step
+        self.closed = self.applied = step

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = commlib.allgather(torch.tensor([mine]))[:, 0].tolist()
     whole = sum(q.numel() for s in make_stages(pp * chunks, args.hidden) for q in s.parameters())
     say(f"test accuracy {acc:.3f}; parameters per rank {counts} (whole model {whole})")
+    pipe.close()
     topo.free()
     return 0
 

@@ -91,6 +91,12 @@ class _ScatterToGroup(torch.autograd.Function):
         return _gather_last(grad.contiguous(), ctx.group), None
 
 
+def _keep_frozen(layer: torch.nn.Module, source: torch.nn.Module) -> None:
+    """The sharded parameters require grad where the source's do (frozen stays frozen)."""
+    for name, p in layer.named_parameters(recurse=False):
+        p.requires_grad_(getattr(source, name).requires_grad)
+
+
 def _check(group: Any, features: int, what: str) -> None:
     if group.rank < 0:
         raise ValueError(f"commlib.parallel.{what}: this rank is not a member of argument "
@@ -131,7 +137,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, group: Any = None,
                     gather_output: bool = True) -> "ColumnParallelLinear":
         """The sharded equivalent of ``linear`` (whose weights must be the same on every
-        rank): this rank keeps its block of rows."""
+        rank): this rank keeps its block of rows; ``requires_grad`` as in ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group,
                     gather_output, linear.weight.device, linear.weight.dtype)
         with torch.no_grad():
@@ -139,6 +145,7 @@ class ColumnParallelLinear(torch.nn.Module):
             layer.weight.copy_(linear.weight[sl])
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias[sl])
+        _keep_frozen(layer, linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,13 +190,15 @@ class RowParallelLinear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group: Any = None,
                     input_is_parallel: bool = False) -> "RowParallelLinear":
-        """The sharded equivalent of ``linear``: this rank keeps its block of columns."""
+        """The sharded equivalent of ``linear``: this rank keeps its block of columns;
+        ``requires_grad`` as in ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group,
                     input_is_parallel, linear.weight.device, linear.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, layer.start:layer.start + layer.local])
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias)
+        _keep_frozen(layer, linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,15 @@ class Pipeline(torch.nn.Module):
     exchange starts right after the stage's last backward) and hold bit-identical
     gradients; with ``dp_group`` the gradients are then averaged over it (pipeline replicas
     along a data-parallel axis, e.g. ``Topology(dp=2, pp=2).group("dp")``).
+    These exchanges cover the parameters that require grad, one flat buffer per dtype
+    (a stage may mix dtypes), each with one presence flag per parameter: a parameter
+    gets the reduced gradient where at least one rank of the exchange produced one
+    (zeros stand in for the others, as torch DDP's ``find_unused_parameters=True`` does)
+    and keeps ``.grad`` None where none did; frozen parameters (``requires_grad=False``)
+    are never touched, so an optimizer's weight decay skips them as in one process. The
+    ranks of an exchange must agree on which parameters require grad (same modules).
+    Buffers (e.g. BatchNorm statistics) are not exchanged: under Chimera each replica of
+    a stage updates its own from its half of the micro-batches.
     Activation shapes are agreed by one metadata message per activation on the first step
     for each input shape, then every receive is posted when the step starts.
 
@@ -45,6 +54,9 @@ class Pipeline(torch.nn.Module):
 
     ``poll_s``: waits test and sleep this long between tests instead of spinning in MPI
     (default: 50 us when this node runs more ranks than it has cores, else 0: MPI's wait).
+
+    :meth:`close` (or leaving a ``with Pipeline(...) as pipe:`` block) frees the
+    communicators of the replicated stages; call it on every rank when done.
     """
 
     def __init__(self, stages: Sequence[torch.nn.Module], group: Any = None,
@@ -70,6 +82,17 @@ class Pipeline(torch.nn.Module):
         if not all(isinstance(s, torch.nn.Module) for s in stages):
             raise TypeError(f"{where('Pipeline', rank)}: argument 'stages' must be a list "
                             f"of torch.nn.Module")
+        owner: dict = {}
+        for s, module in enumerate(stages):
+            for name, p in module.named_parameters():
+                first = owner.setdefault(id(p), (s, name))
+                if first[0] != s:
+                    raise ValueError(
+                        f"{where('Pipeline', rank)}: argument 'stages': parameter {name!r} "
+                        f"of stage {s} is also parameter {first[1]!r} of stage {first[0]}; "
+                        f"stages must not share parameters (a tie between stages on "
+                        f"different ranks would silently break: each would train its own "
+                        f"copy)")
         self.schedule = generate(schedule, self.group.size, micro_batches, chunks)
         if len(stages) != self.schedule.stages:
             raise ValueError(f"{where('Pipeline', rank)}: argument 'stages' has "
@@ -102,6 +125,29 @@ class Pipeline(torch.nn.Module):
         self.poll_s = float(poll_s)
         self._shapes: dict = {}
         self._meta_base = 2 * self.schedule.stages * self.schedule.pipes * micro_batches
+        self._closed = False
+
+    def close(self) -> None:
+        """Release the communicators of the replicated stages' groups (idempotent; call it
+        on every rank of ``group``, once no step is running). :meth:`train_step` and
+        :meth:`eval_step` raise afterwards; the stage modules stay usable."""
+        if self._closed:
+            return
+        self._closed = True
+        groups, self._replica_groups = self._replica_groups, {}
+        for g in groups.values():
+            g.free()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{where('Pipeline.' + op, self.rank)}: the pipeline is "
+                               f"closed")
 
     # -- tags ------------------------------------------------------------------------------
     def _tag(self, a: Action) -> int:
@@ -118,6 +164,7 @@ class Pipeline(torch.nn.Module):
         the first and last stages use them). Gradients are added to ``.grad`` of
         :meth:`parameters`; returns the mean micro-batch loss (a float, the same on every
         rank)."""
+        self._check_open("train_step")
         m_count = self.micro_batches
         xs = self._split(inputs, "inputs")
         ts = self._split(targets, "targets")
@@ -126,8 +173,9 @@ class Pipeline(torch.nn.Module):
         if replicated or self.dp_group is not None:
             # the exchanges reduce this step's gradients only
             for p in self.parameters():
-                saved[p] = p.grad
-                p.grad = None
+                if p.requires_grad:
+                    saved[p] = p.grad
+                    p.grad = None
         key = (tuple(inputs.shape), inputs.dtype)
         shapes = self._shapes.get(key)
         discover = shapes is None
@@ -208,26 +256,24 @@ class Pipeline(torch.nn.Module):
                     t = ctx.pop(("grad", a.pipe, a.stage, a.micro))
                 sends.append((self.group.send(t, a.peer, self._tag(a), async_op=True), t))
             elif a.kind == "allreduce":
-                params = list(self._all[a.stage].parameters())
-                flat = _flatten(params)
-                work = self._replica_groups[a.stage].allreduce(flat, async_op=True)
-                reductions.append((work, flat, params))
+                for flat, params in _pack(_trainable(self._all[a.stage])):
+                    work = self._replica_groups[a.stage].allreduce(flat, async_op=True)
+                    reductions.append((work, flat, params))
             elif a.kind == "sync":
                 t0 = time.perf_counter()
                 for work, _ in sends:
                     work.wait(self.poll_s)
                 for work, flat, params in reductions:
                     work.wait(self.poll_s)
-                    _unflatten(flat, params)
+                    _unpack(flat, params)
                 waited += time.perf_counter() - t0
         self.last_step = {"seconds": time.perf_counter() - started, "waiting": waited}
         if discover:
             self._shapes[key] = shapes
         if self.dp_group is not None:
-            params = list(self.parameters())
-            flat = _flatten(params)
-            self.dp_group.allreduce(flat, op=ReduceOp.AVG)
-            _unflatten(flat, params)
+            for flat, params in _pack(_trainable(self)):
+                self.dp_group.allreduce(flat, op=ReduceOp.AVG)
+                _unpack(flat, params)
         for p, g in saved.items():
             if g is not None:
                 p.grad = g + p.grad if p.grad is not None else g
@@ -239,6 +285,7 @@ class Pipeline(torch.nn.Module):
         """Forward ``inputs`` (batch first, the same on every rank) through the first
         pipeline, micro-batch by micro-batch; returns the output (the concatenated outputs
         of the last stage) on every rank. Parameters and gradients are untouched."""
+        self._check_open("eval_step")
         xs = self._split(inputs, "inputs")
         sched, group = self.schedule, self.group
         last = sched.stages - 1
@@ -309,16 +356,44 @@ class Pipeline(torch.nn.Module):
         return out
 
 
-def _flatten(params: list) -> torch.Tensor:
-    if not params:
-        return torch.zeros(0)
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
+def _trainable(module: torch.nn.Module) -> list:
+    """The parameters of ``module`` whose gradients are exchanged: those that require grad
+    (frozen ones are never touched, so they keep ``.grad`` as it was: usually None)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
-def _unflatten(flat: torch.Tensor, params: list) -> None:
-    offset = 0
+def _pack(params: list) -> list:
+    """One flat buffer per (dtype, device) of ``params``, in order of first appearance (the
+    same on every rank holding the same modules): the gradients (zeros where ``.grad`` is
+    None; sparse ones densified), then one presence flag per parameter (1 where this rank
+    has a gradient). Summed or averaged over a group, a flag is non-zero exactly where some
+    rank had a gradient. Returns ``[(flat, params of that buffer)]``."""
+    buckets: dict = {}
     for p in params:
+        buckets.setdefault((p.dtype, p.device), []).append(p)
+    out = []
+    for (dtype, device), ps in buckets.items():
+        parts = []
+        for p in ps:
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif g.is_sparse:
+                g = g.to_dense()
+            parts.append(g.reshape(-1))
+        parts.append(torch.tensor([p.grad is not None for p in ps], dtype=dtype,
+                                  device=device))
+        out.append((torch.cat(parts), ps))
+    return out
+
+
+def _unpack(flat: torch.Tensor, params: list) -> None:
+    """Set ``.grad`` of ``params`` from a reduced :func:`_pack` buffer: the reduced
+    gradient where some rank had one, None where no rank did (as DDP with
+    ``find_unused_parameters=True`` leaves a parameter no rank used)."""
+    flags = flat[flat.numel() - len(params):].tolist()
+    offset = 0
+    for p, present in zip(params, flags):
         n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
+        p.grad = flat[offset:offset + n].view_as(p).clone() if present != 0 else None
         offset += n

@@ -135,8 +135,9 @@ def new_group(ranks: Sequence[int] | None = None, hierarchical: bool = False,
         raise ValueError(f"{where('new_group', runtime.get_rank())}: this rank is not a member "
                          f"of the parent group")
     rank = parent_comm.rank
-    if ranks is None:
-        ranks = parent_comm.world_ranks
+    if ranks is None:   # all of the parent, same order: a duplicate (no split, no allgather)
+        comm = parent_comm.dup(f"group{list(parent_comm.world_ranks)}")
+        return Group(comm, comm.world_ranks, hierarchical)
     ranks = [int(r) for r in ranks]
     _check_ranks(ranks, parent_comm, "new_group", rank)
     me = parent_comm.world_ranks[rank]

@@ -12,6 +12,8 @@ chunk, ``torch.split``), which is reduce-scattered into ``shard.grad``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
@@ -78,6 +80,10 @@ class Chunk:
         self.views: list[torch.Tensor] = []
         # [bytes of gathered chunks now, their peak]: shared by a wrapper's chunks
         self.tracker = [0, 0]
+        # whoever gathers this chunk on demand (:class:`ReleasedView`); set by the wrapper
+        self.owner: Any = None
+        self.released: list[torch.Tensor] | None = None   # the placeholders
+        self.placeholders = False   # whether the owners hold them now
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """New flat padded buffer of ``tensors`` (this chunk's layout)."""
@@ -130,6 +136,25 @@ class Chunk:
             self.views.append(view)
             for module, attr in slot.owners:
                 setattr(module, attr, view)
+        self.placeholders = False
+
+    def set_released_views(self) -> None:
+        """Point every owner attribute at a :class:`ReleasedView` (made once, while the
+        chunk is gathered: call it before :meth:`free`): a use gathers the chunk through
+        :attr:`owner` or raises naming the parameter, instead of reading released memory."""
+        if self.released is None:
+            flat, offset, self.released = self.full.detach(), 0, []
+            for i, slot in enumerate(self.slots):
+                view = flat[offset:offset + slot.numel].view(slot.shape)
+                offset += slot.numel
+                placeholder = torch.Tensor._make_subclass(ReleasedView, view,
+                                                          slot.param.requires_grad)
+                placeholder._commlib_slot = (self, i)
+                self.released.append(placeholder)
+        for slot, placeholder in zip(self.slots, self.released):
+            for module, attr in slot.owners:
+                setattr(module, attr, placeholder)
+        self.placeholders = True
 
     def state_bytes(self) -> dict[str, int]:
         item = self.shard.element_size()
@@ -137,14 +162,38 @@ class Chunk:
         return {"shard": self.shard_numel * item, "full": full}
 
 
-def plan(module: nn.Module, cap_bytes: int, shards: int, rank: int,
+def scope(module: nn.Module, boundary: Callable[[nn.Module], bool]
+          ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """(``(name, module)`` of every module of ``module``'s tree that is not inside a
+    boundary module, in ``named_modules`` order with duplicates; the outermost boundary
+    modules found, with their names). ``module`` itself is never a boundary."""
+    inside: list[tuple[str, nn.Module]] = []
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(m: nn.Module, name: str) -> None:
+        inside.append((name, m))
+        for child_name, child in m._modules.items():
+            if child is None:
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            if boundary(child):
+                found.append((full, child))
+            else:
+                visit(child, full)
+
+    visit(module, "")
+    return inside, found
+
+
+def plan(modules: list[tuple[str, nn.Module]], cap_bytes: int, shards: int, rank: int,
          group_of: dict[int, int], keep_full: bool = False,
          compute_dtype: torch.dtype | None = None) -> list[Chunk]:
-    """Chunks over ``module``'s parameters (deduplicated, registration order), keyed by
-    dtype, device, ``requires_grad`` and ``group_of[id(param)]`` (default 0)."""
+    """Chunks over the parameters of ``modules`` (``(name, module)`` pairs, see
+    :func:`scope`; deduplicated, registration order), keyed by dtype, device,
+    ``requires_grad`` and ``group_of[id(param)]`` (default 0)."""
     slots: dict[int, Slot] = {}
     order: list[Slot] = []
-    for mname, m in module.named_modules(remove_duplicate=False):
+    for mname, m in modules:
         for attr, p in m._parameters.items():
             if p is None:
                 continue
@@ -173,6 +222,45 @@ def plan(module: nn.Module, cap_bytes: int, shards: int, rank: int,
         mods = {id(m): m for s in chunk.slots for m, _ in s.owners}
         chunk.modules = list(mods.values())
     return chunks
+
+
+_METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement,
+             torch.Tensor.element_size, torch.Tensor.is_floating_point,
+             torch.Tensor.is_complex, torch.Tensor.__hash__, torch.Tensor.stride,
+             torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__,
+             torch.Tensor.device.__get__, torch.Tensor.ndim.__get__,
+             torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
+             torch.Tensor.is_leaf.__get__, torch.Tensor.grad.__get__}
+
+
+class ReleasedView(torch.Tensor):
+    """What a module attribute holds while its FULL_SHARD chunk is released: metadata
+    (shape, dtype, device...) answers at once; any other use asks the chunk's owner
+    (``owner.use_released(chunk, slot_index)``), which gathers the chunk or raises naming
+    the parameter, and runs on the gathered view."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+
+        def swap(t: Any) -> Any:
+            if isinstance(t, ReleasedView):
+                chunk, i = t._commlib_slot
+                owner = chunk.owner() if chunk.owner is not None else None
+                if owner is None:
+                    raise RuntimeError(f"commlib.FullyShardedDataParallel: parameter "
+                                       f"{chunk.slots[i].name!r} belongs to a wrapper that no "
+                                       f"longer exists")
+                return owner.use_released(chunk, i)
+            return t
+
+        args, kwargs = torch.utils._pytree.tree_map(swap, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
 
 def detach_parameters(chunks: list[Chunk]) -> None:

@@ -8,9 +8,17 @@ Strategies (torch FSDP's names):
   the full gradient released; before the next forward, chunks whose shard changed (an
   optimizer step, a load) are all-gathered again.
 * ``FULL_SHARD`` (ZeRO-3): a chunk is all-gathered just before the first module that uses
-  it runs (forward pre-hooks), released after the last one (learned in the first forward),
+  it runs (forward pre-hooks, ahead of the user's), released after the last one (learned in
+  the first forward; the release waits until the module's own forward hooks have run),
   gathered again during backward when autograd needs a saved parameter (saved-tensor
-  hooks), and released once its gradient has been reduce-scattered.
+  hooks), and released once its gradient has been reduce-scattered. A parameter used
+  outside its module (``h @ self.emb.weight.t()`` in the root's forward) is gathered at that
+  use and its chunk kept for the rest of every forward of the wrapper (as torch's
+  ``fully_shard`` keeps a group for its module's whole forward); a use outside the
+  wrapper's forward raises naming the parameter.
+
+Wrappers nest (blocks first, then the root: torch's auto-wrap pattern): a wrapper shards
+the parameters of the modules not inside a nested wrapper and leaves the rest to those.
 
 Gradient exchanges start as soon as autograd has accumulated a chunk's gradient
 (post-accumulate-grad hook) and run on a communication thread (the DDP engine), on a
@@ -25,19 +33,22 @@ import contextlib
 import dataclasses
 import enum
 import warnings
+import weakref
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
 from .. import runtime
 from ..ddp.engine import Engine
-from ..primitives import allgather, allreduce, broadcast, new_group, reduce_scatter
+from ..primitives import allgather, allreduce, broadcast, new_group
 from ..reduce_ops import ReduceOp
+from . import nesting
 from . import state as _state
-from .chunks import Chunk, detach_parameters, owned_chunks, plan
+from .chunks import Chunk, detach_parameters, owned_chunks, plan, scope
 from .groups import resolve_group
-
+from .stream import FULLS, ChunkSchedule
 
 class ShardingStrategy(str, enum.Enum):
     """What is sharded across the ranks (torch FSDP's names)."""
@@ -60,7 +71,7 @@ class MixedPrecision:
     buffer_dtype: torch.dtype | None = None
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     """Shard ``module``'s parameters in flat chunks across the ranks of ``group``.
 
     Collective over ``group`` (``None``: the world; a ``commlib.Group`` or a torch
@@ -69,8 +80,22 @@ class FullyShardedDataParallel(nn.Module):
     ``chunk_size_mb`` MiB (same dtype, device, ``requires_grad`` and entry of
     ``param_groups``; zero-padded to a multiple of the group size), and each rank keeps its
     1/N slice as an ``nn.Parameter``: :meth:`parameters` yields only these shards (1-D, the
-    chunk's dtype), so a ``torch.optim`` optimizer built over them holds 1/N of the state.
-    The module's own parameters become plain tensors (views into the gathered chunks).
+    chunk's dtype; a nested wrapper's too), so a ``torch.optim`` optimizer built over them
+    holds 1/N of the state. The module's own parameters become plain tensors (views into
+    the gathered chunks; under FULL_SHARD, between uses, placeholders that name the
+    parameter if used outside the wrapper's forward).
+
+    Nesting: modules inside a ``FullyShardedDataParallel`` already (wrap blocks first,
+    then the root) are left to it: their parameters, shards and buffers are neither
+    broadcast nor chunked again, and ``no_sync``, ``clip_grad_norm_``, ``close`` and the
+    optimizer state dicts cover the nested wrappers too. ``ValueError`` on every rank for
+    what cannot nest: a nested wrapper on other ranks or closed, a module both inside and
+    outside a nested wrapper, a parameter tied across two wrappers (torch's ``fully_shard``
+    refuses it too), a module of an existing wrapper's scope wrapped again.
+
+    ``state_dict()`` (and the state dict of any model holding the wrapper, at any depth) has
+    exactly the keys of the unwrapped module, with full values on every rank; it and
+    ``load_state_dict`` follow torch's module protocol (hooks) and are collective.
 
     ``param_groups``: optional list of dicts ``{"params": [module parameters or names],
     **options}`` for optimizers with several param groups: chunks never mix two entries;
@@ -79,6 +104,9 @@ class FullyShardedDataParallel(nn.Module):
     ``mixed_precision``: a :class:`MixedPrecision` (or torch's): compute in
     ``param_dtype`` (half the bytes gathered), reduce in ``reduce_dtype``, keep the shards
     and the optimizer in the parameters' dtype.
+
+    Two private communicators are released by :meth:`close` (also at garbage collection;
+    MPI has about 2000: call ``close()`` when a wrapper is replaced).
     """
 
     def __init__(self, module: nn.Module, sharding_strategy: str | ShardingStrategy =
@@ -87,6 +115,7 @@ class FullyShardedDataParallel(nn.Module):
                  param_groups: list[dict] | None = None, mixed_precision: Any = None,
                  sync_module_states: bool = True) -> None:
         super().__init__()
+        self._closed = True   # until the communicators exist
         rank = runtime.get_rank()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel (rank {rank}): argument 'module' must "
@@ -112,47 +141,85 @@ class FullyShardedDataParallel(nn.Module):
         parent = resolve_group(group if group is not None else process_group,
                                "FullyShardedDataParallel")
         self.module = module
+        if isinstance(module, FullyShardedDataParallel):
+            inside, nested = [], [("", module)]
+        else:
+            inside, nested = scope(module, lambda m: isinstance(m, FullyShardedDataParallel))
         # Gathers (caller's thread) and gradient exchanges (communication thread) each on a
         # communicator of their own.
         self.process_group = new_group(parent=parent)
         self._reduce_group = new_group(parent=parent)
+        self._closed = False
         self.rank, self.world_size = self.process_group.rank, self.process_group.size
-        if sync_module_states:
-            with torch.no_grad():
-                for t in list(module.parameters()) + list(module.buffers()):
-                    broadcast(t.detach(), 0, self.process_group)
-        self._group_options, group_of = _state.parse_param_groups(module, param_groups, rank)
+        try:
+            self._agree(nesting.refusal(inside, nested, self.process_group.ranks))
+            self._setup(inside, nested, param_groups, param_dtype, buffer_dtype,
+                        chunk_size_mb, sync_module_states)
+        except BaseException:
+            self._closed = True
+            self.process_group.free()
+            self._reduce_group.free()
+            raise
+
+    def _agree(self, refusal: str | None) -> None:
+        """Raise ``ValueError`` on every rank if any rank refuses the module."""
+        flags = allgather(np.array([refusal is not None], dtype=np.int64), self.process_group)
+        if refusal is not None:
+            raise ValueError(f"FullyShardedDataParallel (rank {self.rank}): {refusal}")
+        if flags.any():
+            raise ValueError(f"FullyShardedDataParallel (rank {self.rank}): rank(s) "
+                             f"{[int(r) for r in np.flatnonzero(flags)]} of the group refused "
+                             f"the module (see their error)")
+
+    def _setup(self, inside: list, nested: list, param_groups: Any, param_dtype: Any,
+               buffer_dtype: Any, chunk_size_mb: float, sync_module_states: bool) -> None:
+        module, rank = self.module, self.rank
+        unique = list({id(m): m for _, m in inside}.values())
+        own = list({id(p): p for m in unique for p in m._parameters.values()
+                    if p is not None}.values())
+        buffers = list({id(b): b for m in unique for b in m._buffers.values()
+                        if b is not None}.values())
+        if sync_module_states and self.world_size > 1:
+            _broadcast_coalesced(own + buffers, self.process_group)
+        self._group_options, group_of = _state.parse_param_groups(
+            module, param_groups, rank, {id(p) for p in own})
         shards = 1 if self.sharding_strategy is ShardingStrategy.NO_SHARD else self.world_size
         cap = max(1, int(chunk_size_mb * (1 << 20)))
-        chunks = plan(module, cap, shards, self.rank, group_of,
+        chunks = plan(inside, cap, shards, rank, group_of,
                       keep_full=self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP,
                       compute_dtype=param_dtype)
         self._param_dtype = param_dtype
         if buffer_dtype is not None:
-            for m in module.modules():
+            for m in unique:
                 for name, b in m._buffers.items():
                     if b is not None and b.is_floating_point():
                         m._buffers[name] = b.to(buffer_dtype)
         self._chunks: list[Chunk] = chunks
+        self._nested = [(name, w) for name, w in nested]
         self._gathered_bytes = [0, 0]      # gathered chunks now, and their peak
+        me = weakref.ref(self)
         for c in chunks:
             c.tracker = self._gathered_bytes
+            c.owner = me
+            FULLS[id(c.full)] = c
             if c.shards > 1:
                 self._gathered_bytes[0] += c.padded * c.full.element_size()
-        self._names = _state.record_names(module)
+        names = _state.record_names(unique)
         detach_parameters(chunks)
+        nesting.register(chunks, self)
         self._flat_params = nn.ParameterList([c.shard for c in chunks])
         self._by_full = {id(c.full): c for c in chunks}
         self._owned = owned_chunks(chunks)
         self._full_shard = self.sharding_strategy is ShardingStrategy.FULL_SHARD
+        self._fresh: set[int] = set()      # FULL_SHARD: chunks whose views this forward made
         if self._full_shard:
             for c in chunks:
-                c.free()
+                self._free(c)
         self._gathered_bytes[1] = self._gathered_bytes[0]
         threaded = runtime.thread_multiple()
         if not threaded:
             warnings.warn("commlib: MPI lacks MPI_THREAD_MULTIPLE; gradient exchange will not "
-                          "overlap with backward", RuntimeWarning, stacklevel=2)
+                          "overlap with backward", RuntimeWarning, stacklevel=3)
         self._engine = Engine(threaded, name="commlib-fsdp")
         # Gathers run on a thread of their own (so a prefetched chunk arrives while the
         # caller computes), in the order the caller requests them, identical on every rank.
@@ -166,211 +233,96 @@ class FullyShardedDataParallel(nn.Module):
         self._sync = True
         self._pending: list[tuple[Chunk, Any]] = []
         self._backward_started = False
+        self._end_queued = False
+        self._in_forward = False
+        self._pinned: set[int] = set()   # used outside their modules: kept for the forward
+        self._releasable: list[Chunk] = []
         self._handles = [c.full.register_post_accumulate_grad_hook(self._on_grad)
                          for c in chunks if c.requires_grad]
         self._last_use: dict[int, int] | None = None   # chunk index -> post-hook sequence
         self._seq = 0
         self._active: dict[int, int] = {}
-        self._fresh: set[int] = set()
         if self.sharding_strategy is not ShardingStrategy.NO_SHARD:
             for m in {id(m): m for c in chunks for m in c.modules}.values():
-                self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+                # ahead of the user's pre-hooks (weight_norm's, parametrizations'), as FSDP2
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward,
+                                                                 prepend=True))
                 self._handles.append(m.register_forward_hook(self._post_forward))
-        self._closed = False
+        self._state_hooks = _state.FullStateHooks(self, "module", chunks, names,
+                                                  _full_chunk, self._restore)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the wrapper lacks are the wrapped module's (as torch's FSDP does), so
+        code written for the unwrapped model (``self.emb.weight``) keeps working."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if name == "module" or "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    def __getitem__(self, key: Any) -> Any:
+        """Indexing reaches the wrapped module (an ``nn.Sequential``, a ``ModuleList``)."""
+        return self.module.__getitem__(key)
 
     def _run(self, fn: Any, *args: Any) -> Any:
         """Run a collective on the gather communicator, after the gathers queued before."""
+        if self._closed:
+            raise RuntimeError(f"FullyShardedDataParallel (rank {self.rank}): the wrapper "
+                               f"was closed")
         return self._gather_engine.submit(fn, *args).result()
 
-    # -- forward ------------------------------------------------------------------------
+    def _wrappers(self) -> list["FullyShardedDataParallel"]:
+        """This wrapper and every wrapper nested in it, outermost first."""
+        out = [self]
+        for _, w in self._nested:
+            out += w._wrappers()
+        return out
+
+    def _named_chunks(self) -> list[tuple[Chunk, list[str]]]:
+        """(chunk, its slots' names in the unwrapped module) for this wrapper's chunks and
+        every nested wrapper's."""
+        out = [(c, [s.name for s in c.slots]) for c in self._chunks]
+        for name, w in self._nested:
+            out += [(c, [f"{name}.{n}" if name else n for n in names])
+                    for c, names in w._named_chunks()]
+        return out
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, with the chunks it uses gathered (see the class doc)."""
-        if self._backward_started:   # the last backward raised: drop what it exchanged
-            pending, self._pending = self._pending, []
-            self._backward_started = False
-            for _, future in pending:
-                future.exception()
-        self._seq = 0
-        self._active = {}
-        self._recording: dict[int, int] = {}
-        self._fresh = set()   # FULL_SHARD: chunks whose views this forward made
-        self._saved = set()
-        if self._param_dtype is not None:
-            args, kwargs = _cast((args, kwargs), self._param_dtype)
-        if not self._full_shard:
-            # SHARD_GRAD_OP: every chunk whose shard changed is re-gathered, all requests
-            # at once; each module waits for its own chunks in its pre-hook
-            for i in self._order or range(len(self._chunks)):
-                c = self._chunks[i]
-                if c.shards == 1 and c.stale():
-                    self._gather(c)   # NO_SHARD: mixed precision's cast copy, at once
-                self._request(c)
-            for c in self._chunks:
-                c.set_views()
-            try:
-                return self.module(*args, **kwargs)
-            finally:
-                for c in self._chunks:
-                    if c.stale():
-                        self._gather(c)
-                if self._order is None:
-                    self._order = self._order_rec
-        try:
-            if self._order is not None and self._order:
-                self._request(self._chunks[self._order[0]])
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return self.module(*args, **kwargs)
-        finally:
-            for c in self._chunks:
-                c.free()
-            if self._last_use is None:
-                self._last_use = dict(self._recording)
-                self._order = self._order_rec
-
-    def _request(self, c: Chunk) -> None:
-        """Start gathering chunk ``c`` (if it is stale and not already under way). A kept
-        chunk (SHARD_GRAD_OP) is received in place (its shard, a slice of it, is sent from
-        a copy); a FULL_SHARD chunk into a pooled receive buffer, copied in by
-        :meth:`_gather` (memory that MPI wrote through numpy cannot be released)."""
-        if c.shards == 1 or c.index in self._inflight or not c.stale():
-            return
-        if c.keep_full:
-            send, out = c.shard.detach().clone(), c.full.detach()
-        else:
-            send = c.shard.detach().to(c.compute_dtype)
-            pool = self._recv_pool.setdefault((c.compute_dtype, c.device, c.padded), [])
-            out = pool.pop() if pool else torch.empty(c.padded, dtype=c.compute_dtype,
-                                                      device=c.device)
-        future = self._gather_engine.submit(allgather, send, self.process_group, True, out)
-        self._inflight[c.index] = (future, c.shard._version)
-
-    def _gather(self, c: Chunk) -> None:
-        """Make chunk ``c`` gathered now (waiting for its request, or making one)."""
-        if c.shards > 1:
-            item = self._inflight.pop(c.index, None)
-            if item is not None and item[1] != c.shard._version:
-                received = item[0].result().result()   # gathered before the shard changed
-                if not c.keep_full:
-                    self._recv_pool[(c.compute_dtype, c.device, c.padded)].append(received)
-                item = None
-            if item is None:
-                self._request(c)
-                item = self._inflight.pop(c.index)
-            received = item[0].result().result()
-            if not c.keep_full:
-                c.fill(received)
-                self._recv_pool[(c.compute_dtype, c.device, c.padded)].append(received)
-        elif c.cast:
-            c.fill(c.shard.detach())
-        c.mark_gathered()
-        if self._order is None and c.index not in self._order_rec:
-            self._order_rec.append(c.index)
-
-    def _prefetch_after(self, c: Chunk, step: int) -> None:
-        """Request the next ``self.prefetch`` chunks after ``c`` in first-use order
-        (``step=-1``: before it, for backward, only chunks autograd saved views of)."""
-        if self._order is None or c.index not in self._order:
-            return
-        pos = self._order.index(c.index)
-        seq = self._order[pos + 1:] if step > 0 else self._order[:pos][::-1]
-        if step < 0:
-            seq = [i for i in seq if i in self._saved]
-        for i in seq[:self.prefetch]:
-            self._request(self._chunks[i])
-
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        for c in self._owned.get(id(module), ()):
-            self._active[c.index] = self._active.get(c.index, 0) + 1
-            if c.stale():
-                self._gather(c)
-                if self._full_shard:
-                    self._prefetch_after(c, 1)
-            if self._full_shard and c.index not in self._fresh:
-                c.set_views()   # under this forward's grad mode, on gathered memory
-                self._fresh.add(c.index)
-
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._full_shard:
-            return
-        self._seq += 1
-        first = self._last_use is None
-        for c in self._owned.get(id(module), ()):
-            self._active[c.index] -= 1
-            if first:
-                self._recording[c.index] = self._seq
-            elif self._last_use.get(c.index) == self._seq and not self._active[c.index]:
-                c.free()
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        base = t._base if t._base is not None else t
-        chunk = self._by_full.get(id(base))
-        if chunk is not None:
-            self._saved.add(chunk.index)
-        return chunk, t
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        chunk, t = packed
-        if chunk is not None and not chunk.gathered:
-            self._gather(chunk)
-            self._prefetch_after(chunk, -1)
-        return t
-
-    # -- backward -----------------------------------------------------------------------
-    def _on_grad(self, full: torch.Tensor) -> None:
-        c = self._by_full[id(full)]
-        if not self._backward_started:
-            self._backward_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if self._full_shard:
-            c.free()
-        if not self._sync:
-            return  # no_sync: the full gradient keeps accumulating
-        grad = full.grad
-        full.grad = None
-        self._pending.append((c, self._engine.submit(self._exchange, c, grad)))
-
-    def _exchange(self, c: Chunk, grad: torch.Tensor) -> Any:
-        if self._reduce_dtype is not None:
-            grad = grad.to(self._reduce_dtype)
-        if c.shards == 1:
-            return allreduce(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
-        return reduce_scatter(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
-
-    def _end_backward(self) -> None:
-        pending, self._pending = self._pending, []
-        self._backward_started = False
-        for c, future in pending:
-            grad = future.result()
-            grad = grad.result() if hasattr(grad, "result") else grad   # a Work, or a tensor
-            shard = c.shard
-            grad = grad.to(shard.dtype)
-            if shard.grad is None:
-                shard.grad = grad.view_as(shard)
-            else:
-                shard.grad.add_(grad.view_as(shard))
-        if self._full_shard:
-            for c in self._chunks:
-                c.free()
+        if self._closed:
+            raise RuntimeError(f"FullyShardedDataParallel (rank {self.rank}): forward after "
+                               f"close()")
+        return self._forward_chunks(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate full (unsharded) gradients without any
-        exchange; the first backward outside exchanges their sum."""
-        old, self._sync = self._sync, False
+        exchange (nested wrappers' too); the first backward outside exchanges their sum."""
+        wrappers = self._wrappers()
+        old = [w._sync for w in wrappers]
+        for w in wrappers:
+            w._sync = False
         try:
             yield
         finally:
-            self._sync = old
+            for w, s in zip(wrappers, old):
+                w._sync = s
 
     # -- utilities ------------------------------------------------------------------------
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the shards' gradients so that the global gradient norm (over all ranks'
-        shards, i.e. the whole model, each parameter once) is at most ``max_norm``.
-        Returns the norm before clipping (float64 tensor, the same on every rank)."""
+        """Scale the shards' gradients (nested wrappers' too) so that the global gradient
+        norm (over all ranks' shards, i.e. the whole model, each parameter once) is at most
+        ``max_norm``. Returns the norm before clipping (float64 tensor, the same on every
+        rank)."""
         norm_type = float(norm_type)
-        grads = [c.shard.grad for c in self._chunks if c.shard.grad is not None]
-        sharded = self.sharding_strategy is not ShardingStrategy.NO_SHARD
+        wrappers = self._wrappers()
+        grads, sharded = [], False
+        for w in wrappers:
+            grads += [c.shard.grad for c in w._chunks if c.shard.grad is not None]
+            sharded |= w.sharding_strategy is not ShardingStrategy.NO_SHARD
         if norm_type == float("inf"):
             local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
             total = torch.tensor([local], dtype=torch.float64)
@@ -378,8 +330,11 @@ class FullyShardedDataParallel(nn.Module):
                 self._run(allreduce, total, ReduceOp.MAX, self.process_group)
             total = total[0]
         else:
-            local = sum(float(torch.linalg.vector_norm(g.double(), norm_type) ** norm_type)
-                        for g in grads)
+            # NO_SHARD wrappers hold whole gradients: counted once, on the group's rank 0
+            local = sum(float(torch.linalg.vector_norm(c.shard.grad.double(), norm_type)
+                              ** norm_type)
+                        for w in wrappers for c in w._chunks if c.shard.grad is not None
+                        and (not sharded or c.shards > 1 or self.rank == 0))
             total = torch.tensor([local], dtype=torch.float64)
             if sharded:
                 self._run(allreduce, total, ReduceOp.SUM, self.process_group)
@@ -392,15 +347,17 @@ class FullyShardedDataParallel(nn.Module):
     def sharded_param_groups(self) -> list[dict]:
         """The constructor's ``param_groups`` over this rank's shards (with their
         options), plus one group without options for the shards of parameters no entry
-        named; pass it to a ``torch.optim`` optimizer."""
-        return _state.sharded_param_groups(self._chunks, self._group_options)
+        named (nested wrappers' shards included); pass it to a ``torch.optim`` optimizer."""
+        others = [c.shard for w in self._wrappers()[1:] for c in w._chunks]
+        return _state.sharded_param_groups(self._chunks, self._group_options, others)
 
     def memory_bytes(self, reset_peak: bool = False) -> dict[str, int]:
-        """Bytes this rank holds now: ``params`` (shards plus gathered chunks, the shard
-        counted once where it is a slice of a gathered chunk), ``grads`` (shard gradients
-        plus full gradients still held) and ``peak_gathered`` (the most bytes of gathered
-        FULL_SHARD chunks held at once since construction or the last ``reset_peak=True``;
-        a gather's receive buffer, one chunk per request under way, comes on top)."""
+        """Bytes this rank holds now for this wrapper's chunks (nested wrappers report
+        their own): ``params`` (shards plus gathered chunks, the shard counted once where
+        it is a slice of a gathered chunk), ``grads`` (shard gradients plus full gradients
+        still held) and ``peak_gathered`` (the most bytes of gathered FULL_SHARD chunks
+        held at once since construction or the last ``reset_peak=True``; a gather's
+        receive buffer, one chunk per request under way, comes on top)."""
         params = 0
         for c in self._chunks:
             full = c.state_bytes()["full"]
@@ -416,56 +373,86 @@ class FullyShardedDataParallel(nn.Module):
             self._gathered_bytes[1] = self._gathered_bytes[0]
         return out
 
-    # -- state dicts --------------------------------------------------------------------
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict:
-        """The full, unsharded module state (``module.state_dict()``'s keys and order,
-        parameters as the module's shapes) on every rank. Collective over the group."""
-        return _state.full_state_dict(self, prefix)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load a full state (from :meth:`state_dict`, saved at any world size and
-        strategy) into this rank's shards and the module's buffers; every rank passes the
-        same values. Returns torch's ``(missing_keys, unexpected_keys)``."""
-        return _state.load_full_state_dict(self, state_dict, strict)
+    # -- optimizer state dicts ----------------------------------------------------------
+    # (the module's own state dict: torch's state_dict()/load_state_dict() through the
+    # hooks of state.FullStateHooks: the unwrapped module's keys, full values)
 
     @staticmethod
     def optim_state_dict(model: "FullyShardedDataParallel",
                          optim: torch.optim.Optimizer) -> dict:
-        """The optimizer's full state keyed by parameter name (element-wise state gathered
-        from the shards), on every rank; loads at any world size through
-        :meth:`optim_state_dict_to_load`. Collective over the group."""
-        return _state.full_optim_state_dict(model, optim)
+        """The optimizer's full state keyed by parameter name (the unwrapped module's names;
+        element-wise state gathered from the shards, nested wrappers' included), on every
+        rank; loads at any world size through :meth:`optim_state_dict_to_load`. Collective
+        over the group."""
+        return _state.full_optim_state_dict(model._named_chunks(), _full_chunk, model.rank,
+                                            optim)
 
     @staticmethod
     def optim_state_dict_to_load(model: "FullyShardedDataParallel",
                                  optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
         """This rank's optimizer state dict (for ``optim.load_state_dict``) cut from a full
         one made by :meth:`optim_state_dict`."""
-        return _state.shard_optim_state_dict(model, optim, optim_state_dict)
+        return _state.shard_optim_state_dict(model._named_chunks(), model.rank, optim,
+                                             optim_state_dict)
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread (idempotent)."""
-        if not self._closed:
-            self._closed = True
-            for h in self._handles:
-                h.remove()
+        """Remove the hooks, stop the communication threads and free the two
+        communicators, of this wrapper and of the wrappers nested in it (idempotent; not
+        collective). Forward and state dicts that need communication raise afterwards."""
+        for _, w in self._nested:
+            w.close()
+        self._shutdown(None)
+
+    def _shutdown(self, timeout: float | None) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for h in getattr(self, "_handles", ()):
+            h.remove()
+        if hasattr(self, "_engine"):
             for future, _ in self._inflight.values():
-                future.result()
+                future.exception(timeout)
             self._inflight = {}
-            self._engine.close()
-            self._gather_engine.close()
+            stopped = self._engine.close(timeout) & self._gather_engine.close(timeout)
+            if not stopped:
+                return   # a thread still inside MPI (at exit): leave its communicator be
+        self.process_group.free()
+        self._reduce_group.free()
 
     def __del__(self) -> None:
         try:
-            self._engine.close(timeout=1.0)
-            self._gather_engine.close(timeout=1.0)
-        except Exception:  # noqa: BLE001
+            self._shutdown(1.0)
+        except Exception:  # noqa: BLE001 (MPI may already be finalized at exit)
             pass
 
     def extra_repr(self) -> str:
         return (f"sharding_strategy={self.sharding_strategy.value}, chunks={len(self._chunks)}, "
                 f"rank={self.rank}, world_size={self.world_size}")
+
+
+@torch.no_grad()
+def _broadcast_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
+    """Rank 0's values of ``tensors`` on every rank: one broadcast per dtype and device
+    (in first-appearance order, the same on every rank of one model)."""
+    kinds: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        kinds.setdefault((t.dtype, t.device), []).append(t)
+    for ts in kinds.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        broadcast(flat, 0, group)
+        offset = 0
+        for t in ts:
+            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _full_chunk(c: Chunk, t: torch.Tensor) -> torch.Tensor:
+    """The whole flat chunk of a shard-shaped tensor ``t`` of any wrapper's chunk ``c``
+    (collective over that wrapper's group when sharded)."""
+    if c.shards == 1:
+        return t.detach()
+    return c.owner()._run(allgather, t.detach().contiguous(),
+                          c.owner().process_group).reshape(-1)
 
 
 def _dtype(mixed_precision: Any, name: str, rank: int) -> torch.dtype | None:
@@ -478,16 +465,3 @@ def _dtype(mixed_precision: Any, name: str, rank: int) -> torch.dtype | None:
         raise TypeError(f"FullyShardedDataParallel (rank {rank}): mixed_precision.{name} must "
                         f"be a floating-point torch.dtype or None, got {value!r}")
     return value
-
-
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors inside ``obj`` (tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_cast(o, dtype) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    return obj

@@ -33,7 +33,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     ``param_groups`` are the global groups (all parameters); schedulers and the user change
     their hyper-parameters, which are handed to the local optimizer at each step. After
     ``step()``, every parameter holds its owner's updated value on every rank (bitwise).
+    ``param_groups`` hold ``optimizer_class``'s defaults (``betas``, ``eps``...) from
+    construction on, and a group added by :meth:`add_param_group` gets them too (torch's
+    ZeroRedundancyOptimizer syncs them the same way), so a consolidated state dict loads
+    into a plain ``optimizer_class``.
     ``parameters_as_bucket_view`` and ``overlap_with_ddp`` (torch's arguments) must be False.
+
+    The private communicator is released by :meth:`close` (idempotent; the optimizer is
+    also a context manager that closes on exit) or, failing that, when the optimizer is
+    garbage-collected. MPI has about 2000 communicators: call ``close()`` when an optimizer
+    is replaced (e.g. one per trial of a hyper-parameter search) rather than relying on
+    the garbage collector's timing.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type, group: Any = None,
@@ -53,20 +63,59 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ValueError(f"ZeroRedundancyOptimizer (rank {rank}): pass 'group' or "
                              f"'process_group', not both")
         self._initialized = False
+        self._closed = True   # until the communicator exists
         self._optimizer_class = optimizer_class
         self._defaults = dict(defaults)
         super().__init__(params, defaults)
         parent = resolve_group(group if group is not None else process_group,
                                "ZeroRedundancyOptimizer")
         self.process_group = new_group(parent=parent)
-        self.rank = self.process_group.rank
-        self.world_size = self.process_group.size
-        self._all_state_dicts: list[dict] = []
-        self._partition()
-        params_here = [{**_hyper(g), "params": mine}
-                       for g, mine in zip(self.param_groups, self._mine)]
-        self.optim = optimizer_class(params_here, **defaults)
+        self._closed = False
+        try:
+            self.rank = self.process_group.rank
+            self.world_size = self.process_group.size
+            self._all_state_dicts: list[dict] = []
+            self._partition()
+            params_here = [{**_hyper(g), "params": mine}
+                           for g, mine in zip(self.param_groups, self._mine)]
+            self.optim = optimizer_class(params_here, **defaults)
+        except BaseException:
+            self.close()
+            raise
+        self._fill_defaults(range(len(self.param_groups)))
         self._initialized = True
+
+    def _fill_defaults(self, indices: Iterable[int]) -> None:
+        """Give the global groups ``indices`` the local optimizer's options they lack (its
+        defaults; every rank's local optimizer has every group, possibly empty)."""
+        for i in indices:
+            for key, value in self.optim.param_groups[i].items():
+                if key != "params":
+                    self.param_groups[i].setdefault(key, value)
+
+    def close(self) -> None:
+        """Release the private communicator (idempotent; not collective). The optimizer
+        cannot step, consolidate or load afterwards."""
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self.process_group.free()
+
+    def __enter__(self) -> "ZeroRedundancyOptimizer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (MPI may already be finalized at exit)
+            pass
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"ZeroRedundancyOptimizer.{what} (rank {self.rank}): the "
+                               f"optimizer was closed")
 
     # -- partition ----------------------------------------------------------------------
     def _partition(self) -> None:
@@ -95,6 +144,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._partition()
         self.optim.add_param_group({**_hyper(self.param_groups[-1]),
                                     "params": self._mine[-1]})
+        self._fill_defaults([len(self.param_groups) - 1])
 
     # -- step ---------------------------------------------------------------------------
     def _sync_to_local(self) -> None:
@@ -113,6 +163,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Step the local optimizer over this rank's shard (gradients must already be the
         averaged ones), then all-gather the updated parameters: on return every rank holds
         every parameter's new value. Collective over the group. Returns the closure's loss."""
+        self._check_open("step")
         self._sync_to_local()
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
         self._sync_from_local()
@@ -165,6 +216,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collect every rank's optimizer state on rank ``to`` (a rank of the group), whose
         :meth:`state_dict` then returns the full state. Collective over the group."""
+        self._check_open("consolidate_state_dict")
         if not 0 <= to < self.world_size:
             raise ValueError(f"ZeroRedundancyOptimizer.consolidate_state_dict (rank "
                              f"{self.rank}): argument 'to' must be a rank of the group "

@@ -1,0 +1,138 @@
+"""The house's layering, checked on the source: no import cycles among commlib's modules
+(imports inside functions and under ``TYPE_CHECKING`` count), and no layer imports one
+above it: base -> communicator -> primitives -> algorithms -> front-ends -> the package
+and its tools."""
+from __future__ import annotations
+
+import ast
+import os
+
+import commlib
+
+ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
+
+LAYERS = [
+    {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
+     "mpi_env", "shutdown", "shm"},
+    {"watchdog", "communicator", "exits", "runtime"},
+    {"primitives", "timeline", "topology"},
+    {"algorithms"},
+    {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks"},
+    {"commlib", "examples", "info", "selftest"},
+]
+
+
+def modules() -> dict[str, str]:
+    found = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "commlib")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    return found
+
+
+def import_graph(mods: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the commlib modules it imports (a name imported from a package is the
+    submodule when there is one, else the package)."""
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        targets = set()
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1])
+                    target = base + ("." + node.module if node.module else "")
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    targets.add(sub if sub in mods else target)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif (isinstance(node, ast.Call) and node.args
+                  and getattr(node.func, "id", getattr(node.func, "attr", None))
+                  == "import_module" and isinstance(node.args[0], ast.Constant)
+                  and str(node.args[0].value).startswith(".")):
+                sub = package + node.args[0].value
+                targets.add(sub if sub in mods else package)
+        graph[name] = {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "commlib"
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module}: not in any layer of tests/test_layering.py; add it")
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph(modules()))
+    assert not found, f"import cycles: {found}"
+
+
+def test_no_layer_imports_upward():
+    graph = import_graph(modules())
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                    if layer(t) > layer(m))
+    assert not upward, f"imports from a lower layer into a higher one: {upward}"
+
+
+def test_the_checks_can_fail():
+    """Negative controls: a cycle and an upward import are found in a made-up graph."""
+    graph = {"commlib.runtime": {"commlib.timeline"}, "commlib.timeline":
+             {"commlib.primitives.barrier"}, "commlib.primitives.barrier": {"commlib.runtime"},
+             "commlib.errors": set()}
+    assert cycles(graph) == [sorted(["commlib.runtime", "commlib.timeline",
+                                     "commlib.primitives.barrier"])]
+    assert layer("commlib.timeline") > layer("commlib.runtime")
+    assert cycles({"a": {"b"}, "b": set()}) == []
