@@ -87,7 +87,7 @@ def main():
     mine = commlib.DistributedDataParallel(net())
     explicit = {"unwrapped": accelerator.unwrap_model(mine) is mine.module,
                 "keys": sorted(accelerator.get_state_dict(mine))}
-    print("ACCELERATE " + json.dumps({
+    print("\nACCELERATE " + json.dumps({
         "mode": MODE, "rank": accelerator.process_index, "processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "multi_cpu": accelerator.distributed_type == DistributedType.MULTI_CPU,

@@ -24,4 +24,4 @@ dist.all_gather_object(gathered, rank)
 seen.update(rank=rank, size=size, sum=t.item(), evens=u.item(), gathered=gathered,
             group=type(dist.group.WORLD).__name__, commlib_after="commlib" in sys.modules)
 dist.destroy_process_group()
-print("AUTOLOAD " + json.dumps(seen), flush=True)
+print("\nAUTOLOAD " + json.dumps(seen), flush=True)

@@ -45,7 +45,7 @@ def sha(state):
 
 
 def report(**fields):
-    print("LIGHTNING " + json.dumps(dict(rank=RANK, **fields)), flush=True)
+    print("\nLIGHTNING " + json.dumps(dict(rank=RANK, **fields)), flush=True)
 
 
 class Net(L.LightningModule):
