@@ -33,6 +33,7 @@ SYNC = re.compile(r"commlib\.run: rank (\d+): sync point (\d+) \(([^)]*)\)( \(sy
 LOSS = re.compile(r"\[RANK(\d+)\] Epoch (\d+) \| Iter 0 \| (Train|Eval) Loss ([0-9.]+)")
 CONFIG = {"local_sgd": {"sync_every": 5}}  # 12 (2 ranks) and 8 (3 ranks) steps per epoch
 EPOCHS = 2
+DESTROY = "end of training: destroy_process_group"
 
 
 def tail(code, out):
@@ -85,13 +86,13 @@ def test_mingpt_every_algorithm_identical_replicas(tmp_path, n):
         points = sync_points(out, n)
         reasons = [points[k][0] for k in sorted(points)]
         # Per epoch: the end of the training loader, then of the evaluation loader; then
-        # the end of training.
-        assert reasons == ["epoch end"] * (2 * EPOCHS) + ["end of training"], (where, reasons)
+        # destroy_process_group() (the script's wrapper is gone at its end).
+        assert reasons == ["epoch end"] * (2 * EPOCHS) + [DESTROY], (where, reasons)
         assert_identical(points)
         relaxed = algorithm in ("local_sgd", "decentralized")
         averaged = [points[k][2] for k in sorted(points)]
-        assert averaged == ([True, False] * EPOCHS + [False] if relaxed else
-                            [False] * (2 * EPOCHS + 1)), (where, averaged)
+        assert averaged == ([True, False] * EPOCHS if relaxed else [False] * (2 * EPOCHS)) \
+            + [False], (where, averaged)
         assert out.count("Snapshot saved at epoch") == EPOCHS, (where, tail(0, out))
         end = points[max(points)][1][0]
         assert snapshot_checksum(snapshot) == end, where
@@ -177,3 +178,20 @@ def test_command_line_errors(args, message):
     with contextlib.redirect_stderr(err):
         assert main(args) == 2
     assert message in err.getvalue() and "usage: python -m commlib" in err.getvalue()
+
+
+END_PROGRAM = os.path.join(HERE, "runner_end_program.py")
+
+
+def test_end_of_script_sync_point():
+    """A clean end averages local_sgd's replicas before atexit handlers see them (7 steps,
+    synchronized every 5); a non-zero exit (the negative control) averages nothing, and its
+    status is the job's."""
+    args = ["-m", "commlib", "--algorithm", "local_sgd", "--algorithm-config",
+            '{"sync_every": 5}', END_PROGRAM]
+    for status in (0, 3):
+        code, _, out = run_mpi(2, args, timeout=300, END_EXIT=str(status))
+        assert code == status, tail(code, out)
+        ends = dict(re.findall(r"END rank (\d+) ([0-9a-f]{16})", out))
+        assert sorted(ends) == ["0", "1"], tail(code, out)
+        assert (ends["0"] == ends["1"]) == (status == 0), (status, ends)

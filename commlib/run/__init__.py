@@ -115,6 +115,8 @@ def install(config: Config | None = None) -> Config:
 def run(script: str | None, module: str | None, script_args: Sequence[str]) -> None:
     """Run the script (or module) as ``__main__``, then the end-of-training sync point if it
     ended cleanly. Exceptions and ``SystemExit`` propagate."""
+    import gc
+
     from . import sync
     clean = False
     try:
@@ -129,9 +131,11 @@ def run(script: str | None, module: str | None, script_args: Sequence[str]) -> N
         clean = True
     except SystemExit as exc:
         clean = exc.code in (None, 0)
-        sync.end_of_training(clean)
+        gc.collect()  # the script's unreachable wrappers close now, on every rank alike
+        sync.end_of_training(clean, "end of script")
         raise
-    sync.end_of_training(clean)
+    gc.collect()
+    sync.end_of_training(clean, "end of script")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,8 @@
   ``torch.distributed.get_default_backend_for_device``) picks the runner's backend: the
   ``cpu`` and ``cuda`` entries of torch's default device-backend map are set to it. A
   backend the script names explicitly is used as named.
-* The ``DataLoader`` epoch-end sync point (:mod:`commlib.run.sync`).
+* The sync points (:mod:`commlib.run.sync`): the end of a ``DataLoader`` epoch over a
+  ``DistributedSampler``, and ``destroy_process_group()``.
 """
 from __future__ import annotations
 
@@ -76,3 +77,4 @@ def install(config: Config) -> None:
             dist.Backend.default_device_backend_map[device] = config.backend
     sync.configure(config.sync_points, config.verbose)
     sync.install_dataloader_hook()
+    sync.install_destroy_hook()

@@ -12,9 +12,12 @@ that every rank passes at the same step of the same program:
   drops), so every rank's loop ends after the same number of batches: after its last
   optimizer step and before whatever the script does at the end of the epoch (the
   snapshot of a torchrun-style script, evaluation).
-* **end of training**: the script returned (or exited with status 0). The ranks first
-  agree that every one of them ended cleanly (one small allreduce); after a non-zero
-  exit nothing is averaged (an exception aborts the job as usual).
+* **end of training**: ``torch.distributed.destroy_process_group()`` of the default group
+  (what torchrun-style scripts call on every rank when training is over, so code after it
+  sees one model), and the script's end (it returned, or exited with status 0). The ranks
+  first agree that every one of them got there cleanly and holds the same wrappers (one
+  small allreduce); after a non-zero exit nothing is averaged (an exception aborts the
+  job as usual).
 
 A wrapper is averaged only if it trained since its last average (an evaluation loader's
 end costs nothing). Gradient-exchanging algorithms keep replicas identical: they are never
@@ -90,9 +93,10 @@ def sync_point(reason: str, wrappers: list[Any] | None = None) -> None:
               f"({reason}){state}: {'; '.join(parts)}", file=sys.stderr, flush=True)
 
 
-def end_of_training(clean: bool) -> None:
-    """The last sync point, when the script has ended: if every rank ended cleanly, average
-    (collective: every rank that tracked a wrapper takes part, clean or not)."""
+def end_of_training(clean: bool, reason: str = "end of training") -> None:
+    """The end-of-training sync point: if every rank got here cleanly and they hold the same
+    wrappers, average (collective: every rank that ever tracked a wrapper takes part, clean
+    or not)."""
     if not _state["ever"]:
         return
     import numpy as np
@@ -103,7 +107,7 @@ def end_of_training(clean: bool) -> None:
     agreed = np.array([1 if clean else 0, len(wrappers), -len(wrappers)], dtype=np.int64)
     allreduce(agreed, ReduceOp.MIN)
     if agreed[0] == 1 and agreed[1] == -agreed[2]:
-        sync_point("end of training", wrappers)
+        sync_point(reason, wrappers)
 
 
 def checksum(module: Any) -> str:
@@ -116,6 +120,28 @@ def checksum(module: Any) -> str:
         flat = tensor.detach().cpu().contiguous().view(-1)
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def install_destroy_hook() -> None:
+    """Make ``destroy_process_group()`` of the default group an end-of-training sync point
+    (idempotent)."""
+    if _state.get("destroy"):
+        return
+    import torch.distributed as dist
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d
+    original = distributed_c10d.destroy_process_group
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            end_of_training(True, "end of training: destroy_process_group")
+        return original(group)
+
+    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    destroy_process_group.__doc__ = original.__doc__
+    dist.destroy_process_group = distributed_c10d.destroy_process_group = destroy_process_group
+    _state["destroy"] = True
 
 
 def install_dataloader_hook() -> None:
