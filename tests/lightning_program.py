@@ -100,20 +100,18 @@ def data():
 
 def strategy(run):
     kind, _, algo = run.partition(":")
-    backend = {"process_group_backend": os.environ["LIGHTNING_PG_BACKEND"]} \
-        if os.environ.get("LIGHTNING_PG_BACKEND") else {}
     if kind == "ref":
         return DDPStrategy(process_group_backend="gloo"), commlib.get_world_size()
     if kind == "torch_commlib":
         return DDPStrategy(process_group_backend="commlib"), commlib.get_world_size()
     if kind == "sum":
-        return CommlibStrategy(algorithm="gradient_allreduce", average=False, **backend), "auto"
+        return CommlibStrategy(algorithm="gradient_allreduce", average=False), "auto"
     extra = {"sync_every": 5} if algo == "local_sgd" else {}
     if kind == "noavg":
-        return NoAveraging(algorithm=algo, **extra, **backend), "auto"
+        return NoAveraging(algorithm=algo, **extra), "auto"
     if not algo:
         return "commlib", "auto"  # the registered name
-    return CommlibStrategy(algorithm=algo, **extra, **backend), "auto"
+    return CommlibStrategy(algorithm=algo, **extra), "auto"
 
 
 def fit(run, root):
