@@ -195,3 +195,32 @@ def test_end_of_script_sync_point():
         ends = dict(re.findall(r"END rank (\d+) ([0-9a-f]{16})", out))
         assert sorted(ends) == ["0", "1"], tail(code, out)
         assert (ends["0"] == ends["1"]) == (status == 0), (status, ends)
+
+
+def test_engine_keeps_no_finished_job_alive():
+    """A wrapper the script dropped must be collectable (the end-of-script sync point only
+    averages wrappers still alive): the communication thread, idle, holds no reference to
+    its last job (a closure over the wrapper)."""
+    import gc
+    import time
+    import weakref
+
+    from commlib.ddp.engine import Engine
+
+    class Owner:
+        pass
+
+    engine = Engine(threaded=True)
+    try:
+        owner = Owner()
+        engine.submit(lambda: owner).result()
+        ref = weakref.ref(owner)
+        del owner
+        for _ in range(200):  # the thread returns from the job just after resolving it
+            gc.collect()
+            if ref() is None:
+                break
+            time.sleep(0.01)
+        assert ref() is None, "the communication thread keeps its last job alive"
+    finally:
+        engine.close()
