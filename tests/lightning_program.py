@@ -118,6 +118,8 @@ def fit(run, root):
     L.seed_everything(0, verbose=False)
     model = Net()
     chosen, devices = strategy(run)
+    if os.environ.get("LIGHTNING_DEVICES"):  # torchrun: Lightning wants --nproc-per-node
+        devices = int(os.environ["LIGHTNING_DEVICES"])
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=chosen, max_epochs=2,
                         precision="64-true", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=root,
