@@ -52,6 +52,15 @@ def bootstrap(environ: Any = None) -> Any:
             raise CommError(f"commlib (COMMLIB_LAUNCH=store): no store-backed MPI world: "
                             f"{exc}") from None
         return None
+    if _mpi_initialized():
+        _done = True
+        _why_not = ("mpi4py.MPI was imported before commlib (MPI is initialized: each "
+                    "process is an MPI world of its own); import commlib first")
+        if mode == "store":
+            from ..errors import CommError
+            raise CommError(f"commlib (COMMLIB_LAUNCH=store): no store-backed MPI world: "
+                            f"{_why_not}")
+        return None
     from .world import form
     try:
         _world = form(job, env)
@@ -65,6 +74,12 @@ def bootstrap(environ: Any = None) -> Any:
             f"{type(exc).__name__}: {exc}") from exc
     _done = True
     return _world
+
+
+def _mpi_initialized() -> bool:
+    import sys
+    module = sys.modules.get("mpi4py.MPI")
+    return module is not None and module.Is_initialized()
 
 
 def current() -> Any:

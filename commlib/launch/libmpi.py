@@ -1,11 +1,11 @@
-"""MPI initialization and finalization without the GIL, on the libmpi mpi4py loaded.
+"""MPI initialization without the GIL, on the libmpi mpi4py loaded.
 
 mpi4py initializes MPI while importing ``mpi4py.MPI``, holding the GIL; a PMI server that
 is a thread of the same process could then never answer ``MPI_Init``. Instead commlib
-sets ``mpi4py.rc.initialize = False`` (and ``rc.finalize = False``: commlib finalizes),
-imports ``mpi4py.MPI`` (which loads libmpi and initializes nothing), and calls
-``MPI_Init_thread``/``MPI_Finalize`` through ctypes, which releases the GIL for the call.
-mpi4py then sees an initialized MPI as if it had initialized it itself.
+sets ``mpi4py.rc.initialize = False``, imports ``mpi4py.MPI`` (which loads libmpi and
+initializes nothing), calls ``MPI_Init_thread`` through ctypes (which releases the GIL for
+the call) and then does what mpi4py does after its own initialization (error handlers
+from ``rc.errors``). ``rc.finalize = True``: mpi4py finalizes MPI at exit as usual.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def import_mpi_uninitialized() -> Any:
                                "commlib, so each process is an MPI world of its own): "
                                "import commlib before mpi4py.MPI")
     mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = False
+    mpi4py.rc.finalize = True  # at exit, as mpi4py does when it initialized MPI itself
     from mpi4py import MPI
     return MPI
 
@@ -58,8 +58,6 @@ def load(MPI: Any) -> ctypes.CDLL:
     lib.MPI_Init_thread.restype = ctypes.c_int
     lib.MPI_Init.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.MPI_Init.restype = ctypes.c_int
-    lib.MPI_Finalize.argtypes = []
-    lib.MPI_Finalize.restype = ctypes.c_int
     return lib
 
 
@@ -98,8 +96,3 @@ def _set_errhandlers(MPI: Any, rc: Any) -> None:
         return
     MPI.COMM_SELF.Set_errhandler(handler)
     MPI.COMM_WORLD.Set_errhandler(handler)
-
-
-def finalize(lib: ctypes.CDLL) -> int:
-    """``MPI_Finalize`` without the GIL; returns its error code."""
-    return int(lib.MPI_Finalize())

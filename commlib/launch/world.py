@@ -11,19 +11,28 @@
    killed by torchrun before a restart never unlink theirs);
 3. start a PMI-1 server (:class:`~commlib.launch.pmi.Server`) in a thread, on one end of a
    ``socketpair``; point ``PMI_FD``/``PMI_RANK``/``PMI_SIZE`` at the other end;
-4. initialize MPI through ctypes, without the GIL (:mod:`commlib.launch.libmpi`), then
-   drop the ``PMI_*`` variables again (child processes must not find them);
+4. initialize MPI through ctypes, without the GIL (:mod:`commlib.launch.libmpi`), with
+   ``MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1``; then drop these variables again (child
+   processes must not find them);
 5. watch the store for an ``MPI_Abort`` of another rank (a monitor thread, every
    :data:`POLL_S` seconds): the process then leaves with that rank's exit code, as
    under ``mpiexec``.
 
-Leaving: an ``atexit`` handler (it runs after commlib's own exit handler, which stops
-commlib's threads first) stops the monitor, calls ``MPI_Finalize`` through ctypes while
-the PMI server still runs (the UCX netmod's finalize holds a PMI barrier), and answers in
-advance the PMI ``finalize`` that libmpi sends from its C exit handler, after Python's
-threads are gone (the server's socket stays open until the process ends). The rank that
-hosts the store waits (at most :data:`LEAVE_WAIT_S` s) until every rank has finished with
-it. The interpreter then exits as usual, with its own exit status.
+Leaving. MPI must be finalized late, as under ``mpiexec`` (mpi4py does it after the
+interpreter's teardown, where objects such as a ``DistributedDataParallel`` free their
+communicators), but by then Python's threads are gone, so nothing may need PMI any more:
+
+* ``MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1`` removes the one PMI exchange of ``MPI_Finalize``
+  (the UCX netmod's barrier before it disconnects; UCX still flushes every endpoint);
+* libmpi's last PMI message, ``finalize``, comes from its C exit handler after Python is
+  gone: its answer is written in advance, by an ``atexit`` handler (after commlib's own,
+  which stops commlib's threads) that also stops the monitor and the server; the socket
+  stays open until the process ends. An explicit ``MPI.Finalize()`` answers in advance
+  too (so an MPI call after it, which makes MPICH ``exit`` holding the GIL, cannot hang);
+* the rank that hosts the store waits (at most :data:`LEAVE_WAIT_S` s) until every rank
+  has finished with it.
+
+The interpreter then exits as usual, with its own exit status.
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ from .pmi import Server
 from .space import StoreSpace
 
 POLL_S = 0.5
-LEAVE_WAIT_S = 30.0
+LEAVE_WAIT_S = 5.0
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -93,13 +102,13 @@ def shm_segments(kvsname: str) -> list[str]:
 
 class StoreWorld:
     """An MPI world formed from a store: what later layers may use (issue 21's failure
-    detection among them): :attr:`store` (the torch store client; thread-safe through
+    detection among them): :attr:`store` (the torch store client; share it through
     :meth:`call`), :attr:`namespace` (prefix of this attempt's keys; put your own keys
     under :meth:`key`), :attr:`rank`/:attr:`size` (``MPI.COMM_WORLD``'s),
     :attr:`local_rank`/:attr:`local_size` (MPI's node), :attr:`node_of` (node id of each
     rank), :attr:`dead` (ranks answered to MPICH's ``PMI_dead_processes``, which
-    ``MPIX_Comm_get_failed`` reads: add to it when a rank is known dead), and
-    :meth:`on_poll` (a callback run by the monitor thread every :data:`POLL_S` s)."""
+    ``MPIX_Comm_get_failed`` reads: add a rank once it is known dead), and
+    :meth:`on_poll` (a callback the monitor thread runs every :data:`POLL_S` s)."""
 
     def __init__(self, job: Job, store: Any, hosting: bool, space: StoreSpace,
                  server: Server, server_sock: socket.socket, lib: Any, timeout: float) -> None:
@@ -154,53 +163,46 @@ class StoreWorld:
                     _note(self.rank, f"launch poll hook {callback!r} failed: {exc!r}")
 
     # -- exit --------------------------------------------------------------------------
-    def finalize(self) -> None:
-        """``MPI_Finalize`` without the GIL while this process's PMI server runs.
-        Replaces ``mpi4py.MPI.Finalize`` in a store-backed world: mpi4py's holds the GIL,
-        so the PMI barrier inside MPICH's finalize would never be answered."""
-        self._stop.set()
-        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
-            self._monitor.join(2 * POLL_S + 1)
-        from mpi4py import MPI
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            err = libmpi.finalize(self._lib)
-            if err:
-                raise MPI.Exception(err)
-            self._answer_exit()
-
-    def _answer_exit(self) -> None:
-        """Stop the server and answer in advance the PMI ``finalize`` that libmpi sends
-        from its C exit handler: after Python's threads are gone, or from a C ``exit``
-        called inside MPI with the GIL held (an MPI call after ``MPI_Finalize``); after
-        ``MPI_Finalize`` it is the only PMI message left. The socket stays open until the
-        process ends, so the answer waits there."""
+    def answer_exit(self) -> None:
+        """Stop the monitor and the PMI server, and answer in advance the PMI
+        ``finalize`` libmpi will send from its C exit handler (idempotent). No PMI
+        exchange is possible after this."""
         if self._answered:
             return
         self._answered = True
+        self._stop.set()
+        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
+            self._monitor.join(2 * POLL_S + 1)
         self.server.stop()
         if not self.server.finalized:
             try:
                 self._server_sock.sendall(b"cmd=finalize_ack rc=0\n")
             except OSError:
                 pass
-        self._server_sock.detach()
+        self._server_sock.detach()  # open until the process ends: the answer waits there
 
     def leave(self) -> None:
-        """Finalize MPI and stop serving PMI (idempotent; runs at exit)."""
+        """At exit: :meth:`answer_exit`, then tell the store this rank is done with it
+        (its host waits for every rank). MPI itself is finalized later by mpi4py."""
         if self._left or os.getpid() != self.pid:
             return
         self._left = True
-        try:
-            self.finalize()
-        except Exception as exc:  # noqa: BLE001 - at exit: report, go on
-            _note(self.rank, f"MPI_Finalize failed at exit: {exc}")
-        self._answer_exit()
+        self.answer_exit()
         try:
             self.space.leave()
             if self.hosting:
                 self.space.wait_all_left(min(LEAVE_WAIT_S, self.timeout))
-        except Exception:  # noqa: BLE001 - a peer's store host may be gone already
+        except Exception:  # noqa: BLE001 - the store's host may be gone already
             pass
+
+
+def _finalize_wrapper(original: Callable[[], None], world: StoreWorld) -> Callable[[], None]:
+    def Finalize() -> None:
+        """Terminate the MPI execution environment (mpi4py's ``MPI.Finalize``; in a
+        store-backed world it then answers libmpi's last PMI message in advance)."""
+        original()
+        world.answer_exit()
+    return Finalize
 
 
 def form(job: Job, environ: Any = None) -> StoreWorld:
@@ -224,10 +226,10 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     server = Server(server_sock, space, job.rank)
     world = StoreWorld(job, store, hosting, space, server, server_sock, lib, timeout)
     server.start()
-    pmi_vars = {"PMI_FD": str(client_sock.fileno()), "PMI_RANK": str(job.rank),
-                "PMI_SIZE": str(job.size)}
-    saved = {k: env.get(k) for k in pmi_vars}
-    env.update(pmi_vars)
+    init_vars = {"PMI_FD": str(client_sock.fileno()), "PMI_RANK": str(job.rank),
+                 "PMI_SIZE": str(job.size), "MPIR_CVAR_NO_COLLECTIVE_FINALIZE": "1"}
+    saved = {k: env.get(k) for k in init_vars}
+    env.update(init_vars)
     try:
         world.thread_level = libmpi.initialize(MPI, lib)
     finally:
@@ -239,7 +241,7 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     client_sock.detach()  # libmpi owns this end now
     env[environment.PARENT_VARIABLE] = str(os.getpid())
     atexit.register(world.leave)
-    MPI.Finalize = world.finalize
+    MPI.Finalize = _finalize_wrapper(MPI.Finalize, world)
     comm = MPI.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (job.rank, job.size):
         raise RuntimeError(f"MPI formed rank {comm.Get_rank()} of {comm.Get_size()}, "
