@@ -119,7 +119,9 @@ if bench:
         start = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, big)
         times.append(time.perf_counter() - start)
-    print(f"rank {rank} allreduce16MiB_ms {1000 * float(np.median(times[2:])):.2f}", flush=True)
+    print(f"rank {rank} allreduce16MiB_ms {1000 * float(np.median(times[2:])):.2f} "
+          + " ".join(f"{k} {v:.3f}" for k, v in (world.timings if world else {}).items()),
+          flush=True)
 
 kvsname = world.kvsname if world is not None else "-"
 dist.destroy_process_group()

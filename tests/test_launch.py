@@ -5,8 +5,9 @@ with plain ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (a Kubernetes
 PyTorchJob's shape) and emulated Slurm step variables (two emulated nodes) each run
 ``launch_program.py``, which checks the world on every rank and trains. Every job must
 exit 0 with no abort and leave none of its ``/dev/shm/mpich_*`` segments. Negative
-controls: ``COMMLIB_LAUNCH=mpi`` (worlds of 1; init refuses, naming why), mpi4py imported
-first, a child of a rank, ``COMMLIB_LAUNCH=store`` without a job. Plus the pure pieces:
+controls: ``COMMLIB_LAUNCH=mpi`` (worlds of 1 and init refuses, naming why: here in one
+process, under torchrun in test_torch_launch.py), mpi4py imported first, a child of a
+rank, ``COMMLIB_LAUNCH=store`` without a job. Plus the pure pieces:
 environment detection, Slurm host lists and ports, PMI mapping and wire format.
 
 Each job runs under an outer timeout (serial session only).
@@ -161,24 +162,49 @@ def test_torchrun_max_restarts_after_sigkill_forms_a_fresh_world():
     print(f"SIGKILL -> first allreduce of the new 2-rank world: {again - killed:.1f} s")
 
 
-def test_mpi_abort_ends_every_rank_of_a_store_world():
-    # Without an MPI launcher to kill the others, MPI_Abort on one rank reaches the rest
-    # through the store: every rank leaves with the abort's exit code.
+def test_explicit_finalize_and_exit_status_in_a_store_world():
+    # mpi4py's MPI.Finalize() before the end does not hang (libmpi's PMI finalize is then
+    # answered in advance); the interpreter's own exit status comes through.
     script = ("import sys, commlib\nfrom mpi4py import MPI\ncommlib.barrier()\n"
-              "if MPI.COMM_WORLD.Get_rank() == 1:\n    MPI.COMM_WORLD.Abort(7)\n"
-              "commlib.barrier()\n")
-    n, port = 3, str(free_port())
+              "MPI.Finalize()\nprint('finalized', MPI.Is_finalized(), flush=True)\n"
+              "sys.exit(3)\n")
+    n, port = 2, str(free_port())
     envs = [base_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=port) for r in range(n)]
     codes, out = run_ranks(envs, ["-c", script], timeout=120)
-    assert codes == [7] * n, out
-    assert out.count("rank 1 called MPI_Abort (exit code 7)") == n - 1, out
+    assert codes == [3] * n, out
+    assert out.count("finalized True") == n, out
+    for word in BAD:
+        assert word not in out, out
 
 
-def test_bootstrap_disabled_under_torchrun_gives_worlds_of_one_and_init_says_why():
-    code, out = torchrun(2, ["store"], 180, COMMLIB_LAUNCH="mpi")
-    assert code != 0, out
-    assert "MPI rank/size (0, 1) != launcher's (1, 2)" in out, out
+@pytest.mark.parametrize("how, aborter", [("mpi4py", 1), ("commlib", 0)])
+def test_an_abort_ends_every_rank_of_a_store_world(how, aborter):
+    # Without an MPI launcher to kill the others, an abort reaches them through the store:
+    # MPI_Abort(7) from mpi4py on rank 1, or commlib's own abort path (an uncaught
+    # exception, exit code 1) on rank 0, which hosts the store. Every rank leaves at once
+    # with the abort's code, or with 1 when it loses the store first (the host left).
+    # (MPICH 5.0's MPI_Abort returns, leaving the end to the process manager: the
+    # aborting rank then sleeps, so the others' barrier can only end by the abort.)
+    fail = ("MPI.COMM_WORLD.Abort(7); time.sleep(60)" if how == "mpi4py"
+            else "raise RuntimeError('boom')")
+    script = ("import sys, time, commlib\nfrom mpi4py import MPI\ncommlib.init()\n"
+              f"commlib.barrier()\nif MPI.COMM_WORLD.Get_rank() == {aborter}:\n"
+              f"    {fail}\ncommlib.barrier()\n")
+    code = 7 if how == "mpi4py" else 1
+    n, port = 3, str(free_port())
+    envs = [base_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=port) for r in range(n)]
+    start = time.monotonic()
+    codes, out = run_ranks(envs, ["-c", script], timeout=120)
+    seconds = time.monotonic() - start
+    assert codes[aborter] == code, (codes, out)
+    others = [c for r, c in enumerate(codes) if r != aborter]
+    assert all(c in (code, 1) for c in others), (codes, out)
+    followed = out.count(f"rank {aborter} called MPI_Abort (exit code {code})")
+    lost = out.count("ended abnormally; leaving with exit code 1")
+    assert followed + lost == n - 1 and followed >= 1, out
+    assert seconds < 60, f"{seconds:.0f} s: a rank waited for its watchdog\n{out}"
 
 
 SINGLE = ("import os, sys\n{before}\nimport commlib\nfrom mpi4py import MPI\n"

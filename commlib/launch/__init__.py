@@ -24,7 +24,7 @@ from typing import Any
 from . import environment
 from .environment import Job, NoJob, detect
 
-__all__ = ["Job", "NoJob", "bootstrap", "current", "detect", "why_not"]
+__all__ = ["Job", "NoJob", "abort", "bootstrap", "current", "detect", "why_not"]
 
 _world: Any = None
 _why_not: str | None = None
@@ -85,6 +85,16 @@ def _mpi_initialized() -> bool:
 def current() -> Any:
     """The store-backed world this process formed, or None (mpiexec, singleton)."""
     return _world
+
+
+def abort(exit_code: int) -> None:
+    """In a store-backed world, tell the other ranks that this one is aborting the job
+    with ``exit_code`` (their monitors then leave with it within a poll, as ``mpiexec``
+    would end them); a no-op otherwise. Call it before ``MPI_Abort``: MPICH 5.0's returns
+    and leaves the ending to the process manager, which here is a thread of this process
+    that a following ``os._exit`` never lets run. Never raises."""
+    if _world is not None:
+        _world.space.record_abort(exit_code)
 
 
 def why_not() -> str | None:

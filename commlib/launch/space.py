@@ -85,7 +85,6 @@ class StoreSpace:
         #: Ranks known to be dead, answered to ``PMI_dead_processes`` (what
         #: ``MPIX_Comm_get_failed`` reads): a failure detector (issue 21) adds to it.
         self.dead: set[int] = set()
-        self.on_abort: Callable[[int, int], None] | None = None
         nonce = self._call("compare_set", self.key("nonce"), "", secrets.token_hex(8))
         self.kvsname = f"commlib_{_text(nonce)}"
         self._call("set", self.key(f"node/{rank}"), node)
@@ -154,13 +153,17 @@ class StoreSpace:
 
     def abort(self, code: int, message: str) -> None:
         """This rank called ``MPI_Abort``: tell the others (their monitors leave with
-        ``code``), then end this process at once, as an MPI launcher would (libmpi exits
-        by itself too, but may then hang in C++ static destructors)."""
+        ``code``), then end this process at once, as an MPI launcher would (MPICH 5.0's
+        ``MPI_Abort`` returns and leaves the ending to the process manager)."""
+        self.record_abort(code)
+        os._exit(code)
+
+    def record_abort(self, code: int) -> None:
+        """Set ``abort`` (the first rank to abort wins); never raises."""
         try:
             self._call("compare_set", self.key("abort"), "", f"{self.rank} {code}")
         except Exception:  # noqa: BLE001 - the store may be gone; the process exits anyway
             pass
-        os._exit(code)
 
     # -- job state -------------------------------------------------------------------
     def aborted(self) -> tuple[int, int] | None:

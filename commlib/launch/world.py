@@ -16,7 +16,8 @@
    processes must not find them);
 5. watch the store for an ``MPI_Abort`` of another rank (a monitor thread, every
    :data:`POLL_S` seconds): the process then leaves with that rank's exit code, as
-   under ``mpiexec``.
+   under ``mpiexec`` (a rank that loses the store, because its host left so, leaves
+   with exit code 1).
 
 Leaving. MPI must be finalized late, as under ``mpiexec`` (mpi4py does it after the
 interpreter's teardown, where objects such as a ``DistributedDataParallel`` free their
@@ -29,8 +30,9 @@ communicators), but by then Python's threads are gone, so nothing may need PMI a
   which stops commlib's threads) that also stops the monitor and the server; the socket
   stays open until the process ends. An explicit ``MPI.Finalize()`` answers in advance
   too (so an MPI call after it, which makes MPICH ``exit`` holding the GIL, cannot hang);
-* the rank that hosts the store waits (at most :data:`LEAVE_WAIT_S` s) until every rank
-  has finished with it.
+* the rank that hosts the store stays until every rank has left it (or a rank aborts, or
+  ``COMMLIB_TIMEOUT`` passes); a rank that loses the store while it still runs knows its
+  host ended abnormally and leaves with exit code 1, as an MPI launcher would end it.
 
 The interpreter then exits as usual, with its own exit status.
 """
@@ -52,7 +54,6 @@ from .pmi import Server
 from .space import StoreSpace
 
 POLL_S = 0.5
-LEAVE_WAIT_S = 5.0
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -122,6 +123,7 @@ class StoreWorld:
         self.node_of: list[int] = []
         self.local_rank = self.local_size = 0
         self.bootstrap_s = 0.0
+        self.timings: dict[str, float] = {}
         self.thread_level = -1
         self._polls: list[Callable[["StoreWorld"], None]] = []
         self._stop = threading.Event()
@@ -146,21 +148,42 @@ class StoreWorld:
 
     # -- monitor -----------------------------------------------------------------------
     def _watch(self) -> None:
+        failures = 0
         while not self._stop.wait(POLL_S):
             try:
                 aborted = self.space.aborted()
-            except Exception:  # noqa: BLE001 - the store's host is gone: the job is ending
-                aborted = None
+                failures = 0
+            except Exception:  # noqa: BLE001 - the store is unreachable
+                failures += 1
+                if failures >= 2 and not self._stop.is_set():
+                    self._store_lost()
+                continue
             if aborted is not None and aborted[0] != self.rank:
-                who, code = aborted
-                _note(self.rank, f"rank {who} called MPI_Abort (exit code {code}); leaving "
-                                 f"with exit code {code}, as under mpiexec")
-                os._exit(code or 1)
+                self.follow_abort(*aborted)
             for callback in list(self._polls):
                 try:
                     callback(self)
                 except Exception as exc:  # noqa: BLE001 - a hook never kills the monitor
                     _note(self.rank, f"launch poll hook {callback!r} failed: {exc!r}")
+
+    def _host(self) -> str:
+        who = "torchrun's agent" if self.job.use_agent_store else "rank 0"
+        return f"{who} (the store at {self.job.master_addr}:{self.job.master_port})"
+
+    def _store_lost(self) -> None:
+        # The store's host waits at exit until every rank has left: losing it while this
+        # rank still runs means the host ended abnormally (an abort, a crash). mpiexec
+        # would end this rank too.
+        _note(self.rank, f"lost {self._host()} while this rank still runs: it ended "
+                         f"abnormally; leaving with exit code 1, as an MPI launcher would")
+        os._exit(1)
+
+    def follow_abort(self, who: int, code: int) -> None:
+        """Rank ``who`` called ``MPI_Abort(code)``: leave at once with ``code``, as under
+        ``mpiexec`` (a rank that loses the store when its host leaves so ends too)."""
+        _note(self.rank, f"rank {who} called MPI_Abort (exit code {code}); leaving with "
+                         f"exit code {code}, as under mpiexec")
+        os._exit(code or 1)
 
     # -- exit --------------------------------------------------------------------------
     def answer_exit(self) -> None:
@@ -190,10 +213,21 @@ class StoreWorld:
         self.answer_exit()
         try:
             self.space.leave()
-            if self.hosting:
-                self.space.wait_all_left(min(LEAVE_WAIT_S, self.timeout))
         except Exception:  # noqa: BLE001 - the store's host may be gone already
-            pass
+            return
+        if not self.hosting:
+            return
+        # The host stays until every rank has left (they may still be working), or a
+        # rank aborts, or COMMLIB_TIMEOUT passes (a rank that died stays "not left").
+        deadline = time.monotonic() + self.timeout
+        while not self.space.wait_all_left(POLL_S):
+            aborted = self.space.aborted()
+            if aborted is not None:
+                self.follow_abort(*aborted)
+            if time.monotonic() > deadline:
+                _note(self.rank, f"leaving the store although ranks are still in it after "
+                                 f"{self.timeout:g} s (COMMLIB_TIMEOUT)")
+                return
 
 
 def _finalize_wrapper(original: Callable[[], None], world: StoreWorld) -> Callable[[], None]:
@@ -213,6 +247,8 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     timeout = timeout_s(env)
     MPI = libmpi.import_mpi_uninitialized()
     lib = libmpi.load(MPI)
+    import torch.distributed  # noqa: F401 - timed on its own: most of the cost when cold
+    imported = time.perf_counter()
     store, hosting = open_store(job, timeout)
     space = StoreSpace(store, job.namespace, job.rank, job.size, job.node, timeout)
     for previous in job.previous_namespaces():
@@ -230,6 +266,7 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
                  "PMI_SIZE": str(job.size), "MPIR_CVAR_NO_COLLECTIVE_FINALIZE": "1"}
     saved = {k: env.get(k) for k in init_vars}
     env.update(init_vars)
+    connected = time.perf_counter()
     try:
         world.thread_level = libmpi.initialize(MPI, lib)
     finally:
@@ -253,7 +290,10 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     for k, v in job.exported:
         env.setdefault(k, v)
     world._monitor.start()
-    world.bootstrap_s = time.perf_counter() - start
+    done = time.perf_counter()
+    world.bootstrap_s = done - start
+    world.timings = {"import_torch_s": imported - start, "store_s": connected - imported,
+                     "mpi_init_s": done - connected}
     return world
 
 
