@@ -48,6 +48,7 @@ if want_local:
 if world is not None:
     assert (world.local_rank, world.local_size) == (node.Get_rank(), node.Get_size())
     assert "PMI_FD" not in env and env["COMMLIB_LAUNCH_PID"] == str(os.getpid())
+    assert (env["PMI_RANK"], env["PMI_SIZE"]) == (str(rank), str(size))
 assert comm.Get_errhandler() == MPI.ERRORS_RETURN, "mpi4py's rc.errors was not applied"
 
 commlib.init()

@@ -112,13 +112,13 @@ def detect(environ: Mapping[str, str] | None = None, pid: int | None = None) -> 
     chosen = mode(env)
     if chosen == "mpi":
         raise NoJob("COMMLIB_LAUNCH=mpi turns the store-backed world off")
-    var = mpi_launcher(env)
-    if var is not None:
-        raise NoJob(f"started by an MPI launcher ({var} is set)")
     parent = env.get(PARENT_VARIABLE)
     if parent and parent != str(os.getpid() if pid is None else pid):
         raise NoJob(f"a child process of the rank with process id {parent} "
                     f"({PARENT_VARIABLE} is inherited), not a rank of the job")
+    var = mpi_launcher(env)
+    if var is not None:
+        raise NoJob(f"started by an MPI launcher ({var} is set)")
     if "WORLD_SIZE" in env or "RANK" in env:
         return _torch_style(env)
     if "SLURM_PROCID" in env:

@@ -12,8 +12,8 @@
 3. start a PMI-1 server (:class:`~commlib.launch.pmi.Server`) in a thread, on one end of a
    ``socketpair``; point ``PMI_FD``/``PMI_RANK``/``PMI_SIZE`` at the other end;
 4. initialize MPI through ctypes, without the GIL (:mod:`commlib.launch.libmpi`), with
-   ``MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1``; then drop these variables again (child
-   processes must not find them);
+   ``MPIR_CVAR_NO_COLLECTIVE_FINALIZE=1``; then drop ``PMI_FD`` and the CVAR again (child
+   processes must not find them; ``PMI_RANK``/``PMI_SIZE`` stay, as under ``mpiexec``);
 5. watch the store for an ``MPI_Abort`` of another rank (a monitor thread, every
    :data:`POLL_S` seconds): the process then leaves with that rank's exit code, as
    under ``mpiexec`` (a rank that loses the store, because its host left so, leaves
@@ -262,8 +262,11 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     server = Server(server_sock, space, job.rank)
     world = StoreWorld(job, store, hosting, space, server, server_sock, lib, timeout)
     server.start()
-    init_vars = {"PMI_FD": str(client_sock.fileno()), "PMI_RANK": str(job.rank),
-                 "PMI_SIZE": str(job.size), "MPIR_CVAR_NO_COLLECTIVE_FINALIZE": "1"}
+    # PMI_RANK/PMI_SIZE stay, as under mpiexec (what tools read to find the MPI world;
+    # without PMI_FD a child process's libmpi is a singleton); PMI_FD names a descriptor
+    # of this process only, and the CVAR is read by MPI_Init alone.
+    env.update(PMI_RANK=str(job.rank), PMI_SIZE=str(job.size))
+    init_vars = {"PMI_FD": str(client_sock.fileno()), "MPIR_CVAR_NO_COLLECTIVE_FINALIZE": "1"}
     saved = {k: env.get(k) for k in init_vars}
     env.update(init_vars)
     connected = time.perf_counter()
