@@ -46,7 +46,7 @@ def run(launcher: str, n: int) -> dict:
         raise RuntimeError(f"{launcher} -n {n} failed:\n{out.stdout}\n{out.stderr}")
     values: dict[str, float] = {}
     for field in FIELDS:
-        found = [float(v) for v in re.findall(rf"{field} (\S+)", out.stdout)]
+        found = [float(v) for v in re.findall(rf"{field} (\d+\.\d+)", out.stdout)]
         if found:
             values[field] = max(found)
     return values

@@ -10,8 +10,10 @@ mpi4py raises exceptions for MPI errors as after its own initialization, a comml
 allreduce equals numpy's sum of every rank's data, one step of commlib's
 ``DistributedDataParallel`` equals the full-batch step computed locally in float64 (and
 is the same on every rank), ``init_process_group("commlib")`` (env://) and a gloo group
-beside it reduce alike, and (store) ``PMI_dead_processes`` reaches
-``MPIX_Comm_get_failed``. Prints ``rank R ok ...`` and leaves through a normal exit.
+beside it reduce alike, and (store) the hooks a failure detector would use: the monitor
+runs ``on_poll`` callbacks (every rank's beat reaches the store) and ranks added to
+``world.dead`` are what ``MPIX_Comm_get_failed`` reports (``PMI_dead_processes``).
+Prints ``rank R ok ...`` and leaves through a normal exit.
 
 ``--crash-rank R``: in the first attempt (``TORCHELASTIC_RESTART_COUNT=0``) rank R kills
 itself with SIGKILL after the first allreduce (for torchrun ``--max-restarts``).
@@ -50,6 +52,8 @@ if world is not None:
     assert "PMI_FD" not in env and env["COMMLIB_LAUNCH_PID"] == str(os.getpid())
     assert (env["PMI_RANK"], env["PMI_SIZE"]) == (str(rank), str(size))
 assert comm.Get_errhandler() == MPI.ERRORS_RETURN, "mpi4py's rc.errors was not applied"
+if world is not None:  # the monitor's poll hook (where a failure detector would beat)
+    world.on_poll(lambda w: w.call("add", w.key(f"beat/{w.rank}"), 1))
 
 commlib.init()
 data = [np.random.default_rng(r).standard_normal(1000) for r in range(size)]
@@ -99,6 +103,10 @@ assert torch.equal(a, b) and torch.equal(a, torch.arange(6.0, dtype=torch.float6
                                          * size * (size + 1) / 2), (a, b)
 assert dist.get_backend() == "commlib" and dist.get_backend(gloo) == "gloo"
 
+if world is not None:
+    import datetime
+    world.call("wait", [world.key(f"beat/{r}") for r in range(size)],
+               datetime.timedelta(seconds=30))
 if world is not None and rank == 0:
     # The hook a failure detector uses: ranks in world.dead are what MPICH's
     # PMI_dead_processes answers, so MPIX_Comm_get_failed sees them.

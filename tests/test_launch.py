@@ -207,6 +207,23 @@ def test_an_abort_ends_every_rank_of_a_store_world(how, aborter):
     assert seconds < 60, f"{seconds:.0f} s: a rank waited for its watchdog\n{out}"
 
 
+@pytest.mark.parametrize("alone", [0, 1])
+def test_a_rank_that_never_comes_is_named_within_the_timeout(alone):
+    # WORLD_SIZE=2 but only rank `alone` starts. Rank 0 hosts the store and fails
+    # MPI_Init, naming rank 1; rank 1 alone cannot reach rank 0's store: CommError at
+    # import, naming the store's address. Both within COMMLIB_TIMEOUT (2 s) per wait.
+    env = base_env(RANK=str(alone), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()), COMMLIB_TIMEOUT="2")
+    code, out = run([sys.executable, "-c", "import commlib; print('formed')"], 120, env)
+    assert code != 0 and "formed" not in out, out
+    if alone == 0:
+        assert "rank 0: ranks 1 of 2 did not join within 2 s (COMMLIB_TIMEOUT)" in out, out
+    else:
+        assert re.search(r"CommError: commlib \(rank 1 of 2, env\): could not form the MPI "
+                         r"world from the launcher's store at 127\.0\.0\.1:\d+ \(hosted by "
+                         r"rank 0\)", out), out
+
+
 SINGLE = ("import os, sys\n{before}\nimport commlib\nfrom mpi4py import MPI\n"
           "print('world', MPI.COMM_WORLD.Get_size(), commlib.launch.current(), flush=True)\n"
           "try:\n    commlib.init()\nexcept commlib.CommError as e:\n"

@@ -135,6 +135,10 @@ class Server:
         except BaseException as exc:  # noqa: BLE001 - reported, and the client sees EOF
             self.error = exc
             _note(self.rank, f"PMI server stopped: {type(exc).__name__}: {exc}")
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # libmpi's next read fails, not hangs
+            except OSError:
+                pass
 
     def _send(self, data: bytes) -> None:
         with self._lock:
@@ -167,7 +171,11 @@ class Server:
         elif cmd == "get":
             key = f.get("key", "")
             if key == "PMI_process_mapping":
-                value: str | None = space.process_mapping()
+                try:
+                    value: str | None = space.process_mapping()
+                except TimeoutError as exc:  # a rank never arrived: MPI_Init fails, saying so
+                    _note(self.rank, str(exc))
+                    value = None
             elif key == "PMI_dead_processes":
                 value = space.dead_processes()
             elif key.startswith("PMI_"):
