@@ -1,6 +1,7 @@
 """A real MPI world from any launcher's environment (commlib.launch).
 
-torchrun (2 and 3 ranks, and ``--max-restarts 1`` after a SIGKILL), N processes started
+torchrun (2 and 3 ranks; two agents with ``--nnodes 2`` and the c10d rendezvous; and
+``--max-restarts 1`` after a SIGKILL), N processes started
 with plain ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (a Kubernetes
 PyTorchJob's shape) and emulated Slurm step variables (two emulated nodes) each run
 ``launch_program.py``, which checks the world on every rank and trains. Every job must
@@ -107,6 +108,32 @@ def test_torchrun_forms_one_mpi_world(n):
     code, out = torchrun(n, ["store"], timeout=240)
     assert code == 0, out
     check_job(out, n)
+
+
+def test_torchrun_two_agents_c10d_rendezvous_two_nodes():
+    # torchrun --nnodes 2 --rdzv-backend c10d: two agents (two "nodes" on this host, told
+    # apart by GROUP_RANK) of 2 workers each: one MPI world of 4 with two nodes of 2.
+    port, env = free_port(), base_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two",
+           "--monitor-interval=0.5", PROGRAM, "store"]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True) for _ in range(2)]
+    outs, codes = [], []
+    for agent in agents:
+        try:
+            outs.append(agent.communicate(timeout=240)[0])
+            codes.append(agent.returncode)
+        except subprocess.TimeoutExpired:
+            for a in agents:
+                os.killpg(a.pid, signal.SIGKILL)
+            outs.append(agent.communicate()[0])
+            codes.append(-9)
+    out = "".join(outs)
+    assert codes == [0, 0], out
+    check_job(out, 4)
+    assert sorted(re.findall(r"rank \d of 4 ok \S+ local=(\S+)", out)) == \
+        ["0/2", "0/2", "1/2", "1/2"], out
 
 
 def test_kubernetes_style_env_world():
