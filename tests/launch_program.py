@@ -77,9 +77,14 @@ net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linea
 reference = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(),
                                 torch.nn.Linear(8, 1)).double()
 reference.load_state_dict(net.state_dict())
-batches = [(torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(r)),
-            torch.randn(4, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + r)))
-           for r in range(size)]
+
+def batch(r):
+    g = torch.Generator().manual_seed(r)
+    return (torch.randn(4, 5, dtype=torch.float64, generator=g),
+            torch.randn(4, 1, dtype=torch.float64, generator=g))
+
+
+batches = [batch(r) for r in range(size)]
 ddp = commlib.DistributedDataParallel(net)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 torch.nn.functional.mse_loss(ddp(batches[rank][0]), batches[rank][1]).backward()

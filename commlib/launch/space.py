@@ -24,7 +24,7 @@ import datetime
 import os
 import secrets
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 
 def _text(value: Any) -> str:
