@@ -103,11 +103,11 @@ class GroupDeadlines:
         if collective and self.broken is not None:
             abandoned.append(pending)
             self.check(op)
-        if deadline - monotonic() >= options.timeout:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if timeout_s >= options.timeout:
             return pending.wait()
         if poll(pending, deadline):
             return pending.wait()
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if collective:
             self.broken = f"{op} (timeout {timeout_s:g} s)"
         elif pending.cancel(0.1):

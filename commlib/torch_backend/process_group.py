@@ -118,21 +118,16 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         """Run ``call(async_op)``, one commlib operation (``op``: torch's name of it, for
         errors and the profiler event). With ``opts.asyncOp`` (torch's C++ callers such as
         DDP, ``async_op=True``) it is started non-blocking and completed by the progress
-        thread (:mod:`.progress`); otherwise it runs to the end here (on the progress
-        thread while the profiler is on, see :mod:`.profiling`). ``after(value)`` gets the
-        operation's return value once it is complete (to copy results out); ``result`` is
-        the handle's future value; ``inputs``: the tensors of the profiler event (default
-        ``result``)."""
-        asynchronous = getattr(opts, "asyncOp", False)
+        thread (:mod:`.progress`); otherwise it runs to the end here. ``after(value)`` gets
+        the operation's return value once it is complete (to copy results out);
+        ``result`` is the handle's future value; ``inputs``: the tensors of the profiler
+        event (default ``result``)."""
         event = profiling.start(op, result if inputs is None else inputs, self, outputs)
-        if self._background and (asynchronous or event is not None):
+        if self._background and getattr(opts, "asyncOp", False):
             self._deadlines.check(op)
             deadline = self._deadlines.deadline()
-            work = progress.submit(call(True), result, after, self._deadlines, op, deadline,
+            return progress.submit(call(True), result, after, self._deadlines, op, deadline,
                                    event)
-            if not asynchronous:
-                work.wait()
-            return work
         try:
             value = self._blocking(op, call)
             if after is not None:

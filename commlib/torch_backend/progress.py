@@ -13,8 +13,7 @@ finalizes.
 
 The thread completes each operation within its group's timeout (:mod:`.deadlines`): an
 operation still pending at its deadline fails its handle and future with the timeout
-error, and the thread goes on with the next one. While the profiler is on, blocking
-collectives complete here too (:mod:`.profiling`).
+error, and the thread goes on with the next one.
 """
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ import torch.distributed as dist
 
 from .. import runtime, shutdown
 from ..primitives import Work as CommlibPending
-from . import profiling
 from .convert import where
 from .deadlines import GroupDeadlines, seconds
 
@@ -40,8 +38,8 @@ class BackgroundWork(Work):
     """Handle of a collective the progress thread completes: ``wait()`` blocks until it
     has (without holding the GIL), ``get_future()`` returns the future at once (torch's DDP
     chains on it), its value the list of tensors. ``deadlines``/``op``/``deadline``: the
-    group's timeout state, the operation's name and its deadline; ``event``: the profiler
-    event to close on completion."""
+    group's timeout state, the operation's name and its deadline; ``event``: its profiler
+    event, ended once it completes (:mod:`.profiling`)."""
 
     def __init__(self, result: list, after: Callable[[Any], None] | None = None,
                  deadlines: GroupDeadlines | None = None, op: str = "",
@@ -60,10 +58,11 @@ class BackgroundWork(Work):
         devices = sorted({str(t.device) for t in result if t.device.type != "cpu"})
         self._future = torch.futures.Future(devices=devices) if devices else \
             torch.futures.Future()
+        if event is not None:
+            event.end_when(self._done, deadline - time.monotonic())
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        profiling.end(self._event)
         if error is None:
             self._future.set_result(self._result)
         else:
@@ -80,6 +79,8 @@ class BackgroundWork(Work):
             raise dist.DistBackendError(f"{where(self._op or 'Work.wait', rank)}: Timed out "
                                         f"after {limit:g} s in Work.wait(timeout); the "
                                         f"operation is still pending")
+        if self._event is not None:
+            self._event.ended()
         if self._error is not None:
             raise self._error
         return True
