@@ -137,7 +137,7 @@ def run_one(Case, name: str, index: int, tmp: str, backend: str) -> tuple[str, s
         outcome = "skipped" if code in SKIP_EXIT_CODES else "failed"
         error = f"sys.exit({exc.code})"
     except BaseException:  # noqa: BLE001 - reported, then the job stops
-        outcome, error = "failed", traceback.format_exc()
+        outcome, error = "failed", _without_repro(traceback.format_exc())
     if outcome != "failed":
         try:
             if dist.is_initialized():
@@ -146,6 +146,14 @@ def run_one(Case, name: str, index: int, tmp: str, backend: str) -> tuple[str, s
         except BaseException:  # noqa: BLE001
             outcome, error = "failed", "teardown: " + traceback.format_exc()
     return outcome, error
+
+
+def _without_repro(text: str) -> str:
+    """A traceback without the lines torch's TestCase appends on how to rerun the test."""
+    keep = [line for line in text.splitlines()
+            if "To execute this test" not in line and "PYTORCH_PRINT_REPRO" not in line
+            and "torch_suite_program.py Case." not in line and line.strip()]
+    return "\n".join(keep)
 
 
 def arm_timeout(name: str, timeout_s: float) -> threading.Timer:
