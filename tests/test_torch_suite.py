@@ -75,6 +75,7 @@ class Run:
     ranks: int
     outcomes: dict[str, str] = field(default_factory=dict)
     details: dict[str, str] = field(default_factory=dict)
+    durations: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     jobs: int = 0
 
@@ -103,6 +104,7 @@ def run_suite(backend: str, ranks: int, names: list[str]) -> Run:
                                  COMMLIB_TIMEOUT=str(3 * TEST_TIMEOUT_S))
         for rec in _records(out, "RESULT"):
             run.outcomes[rec["test"]] = rec["outcome"]
+            run.durations[rec["test"]] = rec["seconds"]
             if rec["outcome"] == "failed":
                 run.details[rec["test"]] = "\n".join(
                     f"rank {r}: " + "\n  ".join(lines) for r, lines in rec["errors"].items())
