@@ -47,23 +47,33 @@ JOB_OVERHEAD_S = 60          # start-up of a job (imports) on a loaded machine
 
 #: Tests gloo passes that fail over commlib by design: name -> the one-line reason.
 EXPECTED_FAILURES: dict[str, str] = {
-    "test_get_backend": "asserts dist.get_backend() == 'gloo'; ours is named 'commlib'",
-    "test_Backend_enum_class": "asserts dist.get_backend() == 'gloo'; ours is named 'commlib'",
-    "test_monitored_barrier_allreduce_hang":
-        "torch's dist.monitored_barrier is gloo-only in torch itself; commlib offers "
-        "commlib.torch_backend.monitored_barrier instead",
-    "test_monitored_barrier_allreduce_hang_wait_all_ranks":
-        "torch's dist.monitored_barrier is gloo-only in torch itself; commlib offers "
-        "commlib.torch_backend.monitored_barrier instead",
-    "test_monitored_barrier_gloo": "torch's dist.monitored_barrier is gloo-only in torch",
+    "test_get_backend": "asserts dist.get_backend() == 'gloo'; the backend is named 'commlib'",
+    "test_monitored_barrier_gloo": "torch's dist.monitored_barrier refuses every backend but "
+                                   "gloo (commlib.torch_backend.monitored_barrier instead)",
+    "test_monitored_barrier_gloo_rank_0_timeout": "torch's dist.monitored_barrier is gloo-only",
     "test_monitored_barrier_gloo_subgroup": "torch's dist.monitored_barrier is gloo-only",
-    "test_monitored_barrier_wait_all_ranks": "torch's dist.monitored_barrier is gloo-only",
+    "test_monitored_barrier_allreduce_hang": "torch's dist.monitored_barrier is gloo-only",
+    "test_monitored_barrier_allreduce_hang_wait_all_ranks":
+        "torch's dist.monitored_barrier is gloo-only",
     "test_monitored_barrier_failure_order": "torch's dist.monitored_barrier is gloo-only",
+    "test_monitored_barrier_wait_all_ranks": "torch's dist.monitored_barrier is gloo-only",
 }
 
-#: The subset run in CI.
+#: The subset run in CI: every kind of collective (blocking, async, complex, coalesced,
+#: full groups, sub-groups), point-to-point, the group timeout, sparse all_reduce, the
+#: profiler checks of collectives and point-to-point, objects, DDP with and without hooks,
+#: and one expected failure (so the list is checked too).
 CI_TESTS = [
-    "test_all_reduce_sum",
+    "test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_sum_complex",
+    "test_all_reduce_full_group_max", "test_all_reduce_coalesced_sum", "test_broadcast",
+    "test_reduce_sum", "test_all_gather", "test_all_gather_coalesced_simple",
+    "test_all_gather_coalesced_with_empty", "test_gather", "test_scatter",
+    "test_all_to_all_single_unequal_split", "test_barrier", "test_barrier_timeout_full_group",
+    "test_barrier_timeout_global", "test_sparse_all_reduce_sum",
+    "test_send_recv_autograd_profiler", "test_send_recv_any_source_torch_profiler",
+    "test_isend_torch_profiler", "test_batch_isend_irecv_gloo", "test_destroy_group",
+    "test_all_gather_object_subgroup", "test_DistributedDataParallelCPU",
+    "test_accumulate_gradients_no_sync_allreduce_hook", "test_get_backend",
 ]
 
 
