@@ -445,14 +445,14 @@ def test_sparse_all_reduce_refuses_mismatched_sizes_on_every_rank(commlib_pg):
         dist.all_reduce(t, group=commlib_pg)
 
 
-PROFILED = [("all_reduce", lambda t, pg, n: dist.all_reduce(t, group=pg)),
-            ("broadcast", lambda t, pg, n: dist.broadcast(t, src=0, group=pg)),
-            ("all_gather", lambda t, pg, n: dist.all_gather(
-                [torch.zeros_like(t) for _ in range(n)], t, group=pg)),
-            ("reduce", lambda t, pg, n: dist.reduce(t, dst=0, group=pg)),
-            ("all_to_all", lambda t, pg, n: dist.all_to_all_single(
+PROFILED = [("all_reduce", lambda t, pg, n, a: dist.all_reduce(t, group=pg, async_op=a)),
+            ("broadcast", lambda t, pg, n, a: dist.broadcast(t, src=0, group=pg, async_op=a)),
+            ("all_gather", lambda t, pg, n, a: dist.all_gather(
+                [torch.zeros_like(t) for _ in range(n)], t, group=pg, async_op=a)),
+            ("reduce", lambda t, pg, n, a: dist.reduce(t, dst=0, group=pg, async_op=a)),
+            ("all_to_all", lambda t, pg, n, a: dist.all_to_all_single(
                 torch.zeros(3 * n, dtype=t.dtype), torch.zeros(3 * n, dtype=t.dtype),
-                group=pg))]
+                group=pg, async_op=a))]
 
 
 @pytest.mark.mpi
@@ -460,14 +460,16 @@ def test_profiler_records_one_event_per_operation_like_gloo(torch_groups):
     """Under torch.profiler: one asynchronous ``<backend>:<op>`` event per operation,
     with the input shapes, for commlib as for gloo (blocking and async_op calls)."""
     world, gloo = torch_groups
-    r, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     found = {}
     for pg, backend in ((world, "commlib"), (gloo, "gloo")):
         for asynchronous in (False, True):
             with torch.profiler.profile(record_shapes=True) as prof:
                 t = torch.ones(3, 2, dtype=torch.float64)
                 for _, call in PROFILED:
-                    call(t, pg, n)
+                    work = call(t, pg, n, asynchronous)
+                    if asynchronous:
+                        work.wait()
                 work = dist.all_reduce(torch.ones(4, dtype=torch.float64), group=pg,
                                        async_op=True)
                 work.wait()
@@ -477,10 +479,9 @@ def test_profiler_records_one_event_per_operation_like_gloo(torch_groups):
                     events.setdefault(e.name.split(":")[1], []).append(
                         (e.is_async, e.input_shapes, e.count))
             found[backend, asynchronous] = events
-        ours = found["commlib", False]
-        assert sorted(ours) == sorted({name for name, _ in PROFILED}), ours
     for asynchronous in (False, True):
         ours, theirs = found["commlib", asynchronous], found["gloo", asynchronous]
+        assert sorted(ours) == sorted({name for name, _ in PROFILED}), ours
         for name, _ in PROFILED:
             assert ours[name] == theirs.get(name, ours[name]), (name, ours, theirs)
         assert ours["all_reduce"] == [(True, [[3, 2]], 1), (True, [[4]], 1)]

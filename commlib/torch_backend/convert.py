@@ -108,3 +108,29 @@ def check_list(tensors: Any, n: int, what: str, op: str, rank: int) -> list:
         raise ValueError(f"{where(op, rank)}: {what} must hold one tensor per rank of the "
                          f"group ({n}), got {len(tensors)}")
     return tensors
+
+
+def flatten(tensors: list) -> torch.Tensor:
+    """One contiguous 1-D tensor holding ``tensors`` one after the other."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: list) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.detach().copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
+def one(tensors: Any, op: str, rank: int) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"{where(op, rank)}: the commlib backend takes one tensor per rank "
+                         f"here, got {len(tensors)}")
+    return tensors[0]
+
+
+def as_list(tensors: Any) -> list:
+    return tensors if tensors.__class__ is list else (
+        [tensors] if isinstance(tensors, torch.Tensor) else list(tensors))

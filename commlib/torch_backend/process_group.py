@@ -28,29 +28,15 @@ import torch.distributed as dist
 from .. import primitives as P
 from ..options import options
 from ..primitives import Group
-from ..reduce_ops import ReduceOp
-from . import monitored, p2p, profiling, progress, sparse
-from .convert import (check_count, check_list, dense, divide_truncating, integer_average,
-                      overlaps, reduce_op, unsupported, where)
+from . import monitored, p2p, profiling, progress
+from .convert import (as_list, check_count, check_list, dense, flatten, one, overlaps,
+                      unflatten, unsupported, where)
 from .deadlines import GroupDeadlines, seconds
+from .reductions import Reductions
 from .work import CommlibWork, done
 
 
-def _flat(tensors: list) -> torch.Tensor:
-    """One contiguous 1-D tensor holding ``tensors`` one after the other."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, tensors: list) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.detach().copy_(flat[offset:offset + n].view_as(t))
-            offset += n
-
-
-class ProcessGroupCommlib(dist.ProcessGroup):
+class ProcessGroupCommlib(Reductions, dist.ProcessGroup):
     """The process group torch gets from ``backend="commlib"``. ``group`` is the commlib
     group behind it (see :func:`commlib_group`); ``timeout``: the group's timeout (a
     ``timedelta``, as torch passes it; None: none)."""
@@ -136,158 +122,12 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             profiling.end(event)
         return done(result)
 
-    # -- reductions --------------------------------------------------------------------
-    def allreduce(self, tensors: list, opts: Any = None) -> Any:
-        """In place on every rank: ``all_reduce``; sparse COO tensors too (:mod:`.sparse`).
-        ``ReduceOp.AVG`` on integer tensors: the sum divided by the group size, rounded
-        toward zero (NCCL's semantics, see :func:`.convert.integer_average`)."""
-        opts = opts or dist.AllreduceOptions()
-        op = reduce_op(opts, "all_reduce", self._rank)
-        tensors = _as_list(tensors)
-        if tensors and tensors[0].is_sparse:
-            return self._sparse_allreduce(tensors, op)
-        dense(tensors, "all_reduce", self._rank)
-        if len(tensors) == 1:
-            t = tensors[0].detach()
-            after = None
-            if integer_average(op, t, "all_reduce", self._rank):
-                op, n = ReduceOp.SUM, self.size()
-
-                def after(_: Any) -> None:
-                    divide_truncating(t, n)
-            return self._launch("all_reduce", opts,
-                                lambda a: P.allreduce(t, op, self.group, a), tensors, after)
-        for t in tensors:
-            self._allreduce_one(t.detach(), op, "all_reduce")
-        return done(tensors)
-
-    def _allreduce_one(self, t: torch.Tensor, op: Any, name: str) -> None:
-        average = integer_average(op, t, name, self._rank)
-        self._blocking(name, lambda a: P.allreduce(t, _SUM if average else op, self.group, a))
-        if average:
-            divide_truncating(t, self.size())
-
-    def _sparse_allreduce(self, tensors: list, op: Any) -> Any:
-        event = profiling.start("sparse_all_reduce", tensors, self)
-        try:
-            for t in tensors:
-                self._deadlines.check("all_reduce")
-                sparse.all_reduce(t, op, self.group, self._complete, self._rank)
-        finally:
-            profiling.end(event)
-        return done(tensors)
-
-    def _complete(self, work: Any, op: str = "all_reduce") -> Any:
-        """Complete one started commlib operation within the group's timeout."""
-        return self._deadlines.wait(work, op, self._deadlines.deadline())
-
-    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
-        """All tensors in one exchange per dtype and device (flattened, then copied back)."""
-        opts = opts or dist.AllreduceCoalescedOptions()
-        op = reduce_op(opts, "all_reduce_coalesced", self._rank)
-        dense(tensors, "all_reduce_coalesced", self._rank)
-        kinds: dict[tuple, list] = {}
-        for t in tensors:
-            kinds.setdefault((t.dtype, t.device), []).append(t)
-        if len(kinds) == 1:
-            flat = _flat(tensors)
-            average = integer_average(op, flat, "all_reduce_coalesced", self._rank)
-
-            def after(_: Any) -> None:
-                if average:
-                    divide_truncating(flat, self.size())
-                _unflatten(flat, tensors)
-            return self._launch("all_reduce", opts,
-                                lambda a: P.allreduce(flat, _SUM if average else op,
-                                                      self.group, a), tensors, after)
-        event = profiling.start("all_reduce", tensors, self)
-        try:
-            for same in kinds.values():
-                flat = _flat(same)
-                self._allreduce_one(flat, op, "all_reduce_coalesced")
-                _unflatten(flat, same)
-        finally:
-            profiling.end(event)
-        return done(tensors)
-
-    def reduce(self, tensors: list, opts: Any = None) -> Any:
-        """Result in place on ``opts.rootRank``; other ranks' tensors unchanged."""
-        opts = opts or dist.ReduceOptions()
-        op = reduce_op(opts, "reduce", self._rank)
-        t = _one(tensors, "reduce", self._rank).detach()
-        dense([t], "reduce", self._rank)
-        root = opts.rootRank
-        average = integer_average(op, t, "reduce", self._rank)
-
-        def after(_: Any) -> None:
-            if average and self._rank == root:
-                divide_truncating(t, self.size())
-        return self._launch("reduce", opts,
-                            lambda a: P.reduce(t, root, _SUM if average else op, self.group,
-                                               a), list(tensors), after)
-
-    def reduce_scatter(self, outputs: list, input_lists: list, opts: Any = None) -> Any:
-        """``outputs[0]`` = reduction over ranks of ``input_lists[0][rank]``."""
-        opts = opts or dist.ReduceScatterOptions()
-        op = reduce_op(opts, "reduce_scatter", self._rank)
-        out = _one(outputs, "reduce_scatter", self._rank)
-        inputs = check_list(input_lists[0], self.size(), "input_list", "reduce_scatter",
-                            self._rank)
-        dense([out] + inputs, "reduce_scatter", self._rank)
-        for t in inputs:
-            check_count(t, out.numel(), "every input", "reduce_scatter", self._rank)
-        flat = _flat(inputs)
-        return self._reduce_scatter(opts, op, flat, out, inputs)
-
-    def _reduce_scatter(self, opts: Any, op: Any, inp: torch.Tensor, output: torch.Tensor,
-                        inputs: list) -> Any:
-        """``output`` = block ``rank`` of the reduction of ``inp``; into a separate buffer
-        when ``output`` overlaps ``inp`` (the in-place form)."""
-        into = output.detach()
-        separate = overlaps(into, inp) or not into.is_contiguous()
-        if separate:
-            into = torch.empty(into.shape, dtype=into.dtype, device=into.device)
-        average = integer_average(op, into, "reduce_scatter", self._rank)
-
-        def after(_: Any) -> None:
-            if average:
-                divide_truncating(into, self.size())
-            if separate:
-                with torch.no_grad():
-                    output.detach().copy_(into)
-        return self._launch("reduce_scatter", opts,
-                            lambda a: P.reduce_scatter(inp, _SUM if average else op,
-                                                       self.group, a, into),
-                            [output], after, inputs)
-
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> Any:
-        """``reduce_scatter_single``/``reduce_scatter_tensor``: ``output`` gets block
-        ``rank`` of the reduced ``input`` (``size`` blocks of ``output.numel()``
-        elements). ``output`` may be this rank's block of ``input`` (in place)."""
-        opts = opts or dist.ReduceScatterOptions()
-        op = reduce_op(opts, "reduce_scatter_tensor", self._rank)
-        dense([output, input], "reduce_scatter_tensor", self._rank)
-        check_count(input, output.numel() * self.size(), "input", "reduce_scatter_tensor",
-                    self._rank)
-        return self._reduce_scatter(opts, op, input.detach(), output, [input])
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
-                                        opts: Any = None) -> Any:
-        for out, inp in zip(outputs, inputs):
-            self.reduce_scatter_single(out, inp, None).wait()
-        return done(outputs)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
     # -- data movement -----------------------------------------------------------------
     def broadcast(self, tensors: list, opts: Any = None) -> Any:
         """Rank ``opts.rootRank``'s tensor into every rank's, in place."""
         opts = opts or dist.BroadcastOptions()
         root = opts.rootRank
-        tensors = _as_list(tensors)
+        tensors = as_list(tensors)
         dense(tensors, "broadcast", self._rank)
         if len(tensors) == 1:
             t = tensors[0].detach()
@@ -299,14 +139,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
         """``all_gather``: ``output_lists[0][r]`` = rank ``r``'s ``inputs[0]``."""
-        inp = _one(inputs, "all_gather", self._rank).detach()
+        inp = one(inputs, "all_gather", self._rank).detach()
         outs = check_list(output_lists[0], self.size(), "tensor_list", "all_gather",
                           self._rank)
         dense([inp] + outs, "all_gather", self._rank)
         for o in outs:
             check_count(o, inp.numel(), "every output", "all_gather", self._rank)
         return self._launch("all_gather", opts, lambda a: P.allgather(inp, self.group, a),
-                            outs, lambda rows: _unflatten(rows.reshape(-1), outs), [inp])
+                            outs, lambda rows: unflatten(rows.reshape(-1), outs), [inp])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Any:
@@ -344,17 +184,17 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                 check_count(o, i.numel(), "every output", "all_gather_coalesced", rank)
         flat_outs = [o for outs in output_lists for o in outs]
         if len({(t.dtype, t.device) for t in inputs + flat_outs}) <= 1 and inputs:
-            flat = _flat(inputs)
+            flat = flatten(inputs)
             return self._launch("all_gather", opts,
                                 lambda a: P.allgather(flat, self.group, a), flat_outs,
-                                lambda rows: _unflatten(rows.reshape(-1), flat_outs), inputs)
+                                lambda rows: unflatten(rows.reshape(-1), flat_outs), inputs)
         event = profiling.start("all_gather", inputs, self)
         try:
             for i, inp in enumerate(inputs):
                 column = [output_lists[r][i] for r in range(n)]
                 rows = self._blocking("all_gather_coalesced",
                                       lambda a: P.allgather(inp.detach(), self.group, a))
-                _unflatten(rows.reshape(-1), column)
+                unflatten(rows.reshape(-1), column)
         finally:
             profiling.end(event)
         return done(flat_outs)
@@ -371,7 +211,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         """On ``opts.rootRank``: ``output_lists[0][r]`` = rank ``r``'s ``inputs[0]``."""
         opts = opts or dist.GatherOptions()
         root = opts.rootRank
-        inp = _one(inputs, "gather", self._rank).detach()
+        inp = one(inputs, "gather", self._rank).detach()
         outs: list = []
         if self._rank == root:
             outs = check_list(output_lists[0], self.size(), "gather_list", "gather",
@@ -382,7 +222,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def copy_out(rows: Any) -> None:
             if rows is not None:
-                _unflatten(rows.reshape(-1), outs)
+                unflatten(rows.reshape(-1), outs)
         return self._launch("gather", opts, lambda a: P.gather(inp, root, self.group, a),
                             outs, copy_out, [inp])
 
@@ -390,7 +230,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         """``outputs[0]`` = ``input_lists[0][rank]`` of rank ``opts.rootRank``."""
         opts = opts or dist.ScatterOptions()
         root = opts.rootRank
-        out = _one(outputs, "scatter", self._rank)
+        out = one(outputs, "scatter", self._rank)
         data, inputs = None, []
         if self._rank == root:
             inputs = check_list(input_lists[0], self.size(), "scatter_list", "scatter",
@@ -399,7 +239,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                 check_count(t, out.numel(), "every input", "scatter", self._rank)
         dense([out] + inputs, "scatter", self._rank)
         if inputs:
-            data = _flat(inputs)
+            data = flatten(inputs)
         into = out.detach()
         return self._launch("scatter", opts,
                             lambda a: P.scatter(into, data, root, self.group, a),
@@ -413,11 +253,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         dense(outputs + inputs, "all_to_all", rank)
         if len({t.dtype for t in outputs + inputs}) != 1:
             raise TypeError(f"{where('all_to_all', rank)}: all tensors must have one dtype")
-        flat = _flat(inputs)
+        flat = flatten(inputs)
         send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
         return self._launch("all_to_all", opts,
                             lambda a: P.alltoall_v(flat, send, recv, self.group, a),
-                            outputs, lambda got: _unflatten(got, outputs), inputs)
+                            outputs, lambda got: unflatten(got, outputs), inputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list, input_split_sizes: list,
@@ -487,21 +327,6 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     def merge_remote_group(self, *args: Any, **kwargs: Any) -> None:
         raise unsupported("merge_remote_group", self.rank())
-
-
-_SUM = ReduceOp.SUM
-
-
-def _one(tensors: Any, op: str, rank: int) -> Any:
-    if len(tensors) != 1:
-        raise ValueError(f"{where(op, rank)}: the commlib backend takes one tensor per rank "
-                         f"here, got {len(tensors)}")
-    return tensors[0]
-
-
-def _as_list(tensors: Any) -> list:
-    return tensors if tensors.__class__ is list else (
-        [tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
 
 
 def _equal(t: torch.Tensor, n: int, what: str, rank: int) -> list[int]:
