@@ -181,7 +181,6 @@ def compare(runs: list[Run]) -> tuple[str, list[str]]:
 @serial_only
 @pytest.mark.timeout(1800)
 def test_torch_distributed_suite_over_commlib_matches_gloo(request):
-    pytest.importorskip("expecttest")
     names = list_tests() if os.environ.get("TORCH_SUITE") == "full" else CI_TESTS
     runs = run_all(names)
     text, problems = compare(runs)
