@@ -22,12 +22,21 @@ def _one(tensors: Any, op: str, rank: int) -> Any:
     return tensors[0]
 
 
+def _start(event: Any, start: Any, *args: Any) -> Any:
+    """``start(*args)``; the profiler event ends if it raises."""
+    try:
+        return start(*args)
+    except BaseException:
+        profiling.end(event)
+        raise
+
+
 def send(pg: Any, tensors: list, dst: int, tag: int) -> CommlibWork:
     """Start sending ``tensors[0]`` to group rank ``dst`` of process group ``pg``; the
     tensor must not change until the handle completes."""
     tensor = _one(tensors, "send", pg.group.rank)
     event = profiling.start("send", tensors, pg)
-    pending = commlib_send(tensor.detach(), dst, tag, pg.group, async_op=True)
+    pending = _start(event, commlib_send, tensor.detach(), dst, tag, pg.group, True)
     return track(CommlibWork(list(tensors), pending, deadlines=pg._deadlines, op="send",
                              event=event))
 
@@ -36,7 +45,7 @@ def recv(pg: Any, tensors: list, src: int, tag: int) -> CommlibWork:
     """Start receiving into ``tensors[0]`` from group rank ``src``."""
     tensor = _one(tensors, "recv", pg.group.rank)
     event = profiling.start("recv", tensors, pg)
-    pending = commlib_recv(tensor.detach(), src, tag, pg.group, async_op=True)
+    pending = _start(event, commlib_recv, tensor.detach(), src, tag, pg.group, True)
     return track(CommlibWork(list(tensors), pending, source=src, deadlines=pg._deadlines,
                              op="recv", event=event))
 
@@ -46,7 +55,7 @@ def recv_anysource(pg: Any, tensors: list, tag: int) -> CommlibWork:
     ``_source_rank()`` is the sender's group rank once complete."""
     tensor = _one(tensors, "recv", pg.group.rank)
     event = profiling.start("recvAnySource", tensors, pg)
-    pending = recv_any(tensor.detach(), tag, pg.group, async_op=True)
+    pending = _start(event, recv_any, tensor.detach(), tag, pg.group, True)
     work = CommlibWork(list(tensors), pending, deadlines=pg._deadlines, op="recv",
                        event=event)
     work._on_done = work.set_source

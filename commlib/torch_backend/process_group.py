@@ -108,11 +108,16 @@ class ProcessGroupCommlib(Reductions, dist.ProcessGroup):
         the operation's return value once it is complete (to copy results out);
         ``result`` is the handle's future value; ``inputs``: the tensors of the profiler
         event (default ``result``)."""
+        self._deadlines.check(op)
         event = profiling.start(op, result if inputs is None else inputs, self, outputs)
         if self._background and getattr(opts, "asyncOp", False):
-            self._deadlines.check(op)
             deadline = self._deadlines.deadline()
-            return progress.submit(call(True), result, after, self._deadlines, op, deadline,
+            try:
+                pending = call(True)
+            except BaseException:
+                profiling.end(event)
+                raise
+            return progress.submit(pending, result, after, self._deadlines, op, deadline,
                                    event)
         try:
             value = self._blocking(op, call)
