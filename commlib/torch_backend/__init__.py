@@ -25,7 +25,7 @@ BACKEND_NAME = "commlib"
 _LAZY = {
     "ProcessGroupCommlib": ".process_group",
     "commlib_group": ".process_group",
-    "monitored_barrier": ".monitored",
+    "monitored_barrier": ".process_group",
     "CommlibWork": ".work",
     "UnsupportedOperation": ".convert",
     "register": ".registration",

@@ -348,3 +348,23 @@ def commlib_group(pg: Any) -> Group | None:
     backend="commlib")``); ``None`` for any other object, ``None`` included. On ranks
     outside a group torch hands out no process group, so there is nothing to look up."""
     return pg.group if isinstance(pg, ProcessGroupCommlib) else None
+
+
+def monitored_barrier(group: Any = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
+    """Synchronize the ranks of ``group`` (a process group of the commlib backend; None:
+    the default group), naming the ranks that do not arrive within ``timeout`` (a
+    ``timedelta``; None: the group's timeout). Raises ``DistBackendError`` on rank 0 naming
+    the missing rank(s), and on the ranks that arrived when rank 0 does not acknowledge in
+    time (see :mod:`.monitored`). Not a collective that other ranks can mix up: it is
+    point-to-point on reserved tags."""
+    from torch.distributed.distributed_c10d import _get_default_group, _rank_not_in_group
+    if _rank_not_in_group(group):
+        return
+    pg = _get_default_group() if group is None else group
+    if not isinstance(pg, ProcessGroupCommlib):
+        raise TypeError(f"commlib.torch_backend.monitored_barrier: argument 'group' must be "
+                        f"a process group of the commlib backend (or None for the default "
+                        f"group), got {pg!r}; use torch.distributed.monitored_barrier for "
+                        f"gloo groups")
+    pg.monitored_barrier(timeout, wait_all_ranks)
