@@ -63,6 +63,9 @@ def test_lightning_strategies_match_gloo_and_keep_replicas_identical(tmp_path, n
         "torch.nn.parallel.distributed.DistributedDataParallel"
     for run in ["ref"] + EQUAL + ALGORITHMS + ["sum"]:
         assert all(identical(reports, run, n).values()), (run, identical(reports, run, n))
+    for run in runs:
+        print(f"CHECKSUMS Lightning {run} at {n} ranks: "
+              f"{sorted({ends[(run, r)]['sha'] for r in range(n)})}")
     # Negative controls.
     for rank in range(n):
         assert ends[("sum", rank)]["ref_diff"] > 1e-3, ends[("sum", rank)]

@@ -96,6 +96,8 @@ def test_mingpt_every_algorithm_identical_replicas(tmp_path, n):
         assert out.count("Snapshot saved at epoch") == EPOCHS, (where, tail(0, out))
         end = points[max(points)][1][0]
         assert snapshot_checksum(snapshot) == end, where
+        print(f"CHECKSUMS minGPT {where}: every sync point's replicas "
+              f"{[sorted(set(points[k][1].values())) for k in sorted(points)]}, snapshot {end}")
         losses = {(int(r), int(e), kind): float(v) for r, e, kind, v in LOSS.findall(out)}
         for rank in range(n):
             for kind in ("Train", "Eval"):
