@@ -101,7 +101,10 @@ def check_algorithm(config: Config) -> None:
 
 def install(config: Config | None = None) -> Config:
     """Apply the runner's changes to torch in this process (what ``python -m commlib``
-    does before the script runs); ``config`` defaults to the environment's."""
+    does before the script runs); ``config`` defaults to the environment's
+    (``COMMLIB_ALGORITHM``...). As the first line of a script, ``import commlib.run;
+    commlib.run.install()`` gives it the runner's behaviour without the runner (the
+    end-of-script sync point is the runner's own; the others apply). Returns the config."""
     from . import patch
     config = Config.from_environment() if config is None else config
     check_algorithm(config)
