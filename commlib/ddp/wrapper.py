@@ -376,10 +376,35 @@ def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
     def owns(optimizer: torch.optim.Optimizer) -> bool:
         return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
 
-    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before(optimizer: torch.optim.Optimizer) -> None:
         target = ref()
-        if target is not None and not target._closed and owns(optimizer):
+        if target is not None and not target._closed:
             target._optimizer_step(optimizer, before=True)
+
+    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        target = ref()
+        if target is None or target._closed or not owns(optimizer):
+            return None
+        # torch passes step()'s own arguments: (optimizer, closure) or closure=...
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            before(optimizer)
+            return None
+        # optimizer.step(closure) (Lightning, LBFGS): the closure's backward makes this
+        # step's gradients inside step(), so the algorithm's before-step work runs after the
+        # closure's first call, not before it (it would act on the previous iteration).
+        called: list[bool] = []
+
+        def closure_then_before_step() -> Any:
+            loss = closure()
+            if not called:
+                called.append(True)
+                before(optimizer)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_before_step}
+        return (args[0], closure_then_before_step, *args[2:]), kwargs
 
     def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         target = ref()
