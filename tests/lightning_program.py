@@ -117,6 +117,7 @@ def strategy(run):
 def fit(run, root):
     L.seed_everything(0, verbose=False)
     model = Net()
+    initial = sha({k: v.double() for k, v in model.state_dict().items()})
     chosen, devices = strategy(run)
     if os.environ.get("LIGHTNING_DEVICES"):  # torchrun: Lightning wants --nproc-per-node
         devices = int(os.environ["LIGHTNING_DEVICES"])
@@ -129,19 +130,19 @@ def fit(run, root):
     trainer.fit(model, data(), data())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.distributed.destroy_process_group()
-    return trainer, state
+    return trainer, state, initial
 
 
 def main(runs):
     root = os.environ.get("LIGHTNING_PROGRAM_ROOT") or tempfile.gettempdir()
     reference = None
     for run in runs:
-        trainer, state = fit(run, root)
+        trainer, state, initial = fit(run, root)
         if run == "ref":
             reference = state
         diff = None if reference is None else max(
             (state[k] - reference[k]).abs().max().item() for k in reference)
-        report(run=run, what="end", sha=sha(state), ref_diff=diff,
+        report(run=run, what="end", sha=sha(state), initial=initial, ref_diff=diff,
                logged=sorted(trainer.callback_metrics), wrapper=trainer.wrapper,
                strategy=type(trainer.strategy).__name__)
 
