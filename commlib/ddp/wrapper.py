@@ -381,27 +381,32 @@ def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
         if target is not None and not target._closed:
             target._optimizer_step(optimizer, before=True)
 
+    def closure_of(args: Any, kwargs: Any) -> Any:
+        # torch passes step()'s own arguments: (optimizer, closure) or closure=...
+        return kwargs.get("closure", args[1] if len(args) > 1 else None)
+
     def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         target = ref()
         if target is None or target._closed or not owns(optimizer):
             return None
-        # torch passes step()'s own arguments: (optimizer, closure) or closure=...
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        closure = closure_of(args, kwargs)
         if closure is None:
             before(optimizer)
             return None
         # optimizer.step(closure) (Lightning, LBFGS): the closure's backward makes this
-        # step's gradients inside step(), so the algorithm's before-step work runs after the
-        # closure's first call, not before it (it would act on the previous iteration).
-        called: list[bool] = []
+        # step's gradients inside step(), so the algorithm's before-step work runs once the
+        # closure's first call returned (or raised: its collectives must still match the
+        # other ranks'), not before it, where it would act on the previous iteration.
 
         def closure_then_before_step() -> Any:
-            loss = closure()
-            if not called:
-                called.append(True)
-                before(optimizer)
-            return loss
+            try:
+                return closure()
+            finally:
+                if not closure_then_before_step._commlib_before_done:
+                    closure_then_before_step._commlib_before_done = True
+                    before(optimizer)
 
+        closure_then_before_step._commlib_before_done = False  # type: ignore[attr-defined]
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_then_before_step}
         return (args[0], closure_then_before_step, *args[2:]), kwargs
@@ -409,6 +414,10 @@ def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
     def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         target = ref()
         if target is not None and not target._closed and owns(optimizer):
+            closure = closure_of(args, kwargs)
+            if getattr(closure, "_commlib_before_done", True) is False:  # never called
+                closure._commlib_before_done = True
+                before(optimizer)
             target._optimizer_step(optimizer, before=False)
 
     return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
