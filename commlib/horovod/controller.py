@@ -33,7 +33,8 @@ rounds on the caller's thread.
 rounds, contributing zeros to every allreduce the other ranks run (the shapes come from
 their metadata); any other collective becomes an error on every rank. When every rank has
 joined, every rank returns the rank that joined last (the highest rank among those whose
-flag first appeared in the latest round), as Horovod does.
+flag first appeared in the latest round), as Horovod does. Automatic names (per-kind
+counters) restart from 0 there, on every rank.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import runtime, shutdown as _shutdown
+from ..options import options
+from ..shutdown import write_stderr
+from ..watchdog import abort_job
 from ..primitives import allgather, new_group
 from . import state as _state
 
@@ -153,6 +157,8 @@ class Controller:
         self.join_req: Optional[Request] = None
         self.join_round: dict[int, int] = {}
         self.rounds = 0
+        self.first_seen: dict[str, float] = {}   # name -> when its first announcement came
+        self.warned: set = set()
         self.stopping = False
         self.closed = False
         self.fatal: Optional[BaseException] = None
@@ -287,12 +293,15 @@ class Controller:
                 if slot is None:
                     slot = self.table[name] = {}
                     self.order.append(name)
+                    self.first_seen[name] = time.monotonic()
                 slot[r] = meta
                 announced += 1
         ready = [n for n in self.order
                  if all(r in self.table[n] or r in joined for r in range(self.size))]
         if ready:
             self._run(ready, joined)
+        if self.order and self.rounds % 64 == 0:
+            self._check_stalls(joined)
         done_join = len(joined) == self.size
         if done_join:
             last = max(self.join_round.values())
@@ -301,6 +310,10 @@ class Controller:
                 self.joined = False
                 req, self.join_req = self.join_req, None
             self.join_round = {}
+            # A common point on every rank: unnamed operations count from 0 again, so the
+            # ones that failed on some ranks only (collectives after a rank joined) do not
+            # leave the ranks' automatic names apart.
+            self.counters = {}
             if req is not None:
                 req.finish(self.ranks[winner])
         if stopping == self.size:
@@ -309,12 +322,30 @@ class Controller:
             self.closed = True
         return bool(announced or ready or done_join or stopping)
 
+    def _check_stalls(self, joined: set) -> None:
+        """Horovod's stall check: a name some ranks submitted and others not, for 60 s, is
+        reported; past ``COMMLIB_TIMEOUT`` the job is aborted (it would never complete)."""
+        now = time.monotonic()
+        for name in self.order:
+            age = now - self.first_seen.get(name, now)
+            missing = [self.ranks[r] for r in range(self.size)
+                       if r not in self.table[name] and r not in joined]
+            if age > options.timeout:
+                abort_job(f"[commlib.horovod] rank {self.ranks[self.rank]}: collective "
+                          f"{name!r} on {self.label} was submitted by some ranks but never by "
+                          f"ranks {missing} for {age:.0f} s (COMMLIB_TIMEOUT); aborting the job")
+            if age > 60 and name not in self.warned:
+                self.warned.add(name)
+                write_stderr(f"[commlib.horovod] rank {self.ranks[self.rank]}: stalled: "
+                             f"{name!r} is waiting for ranks {missing} since {age:.0f} s\n")
+
     def _run(self, ready: list, joined: set) -> None:
         from .execute import check, run
         batch = []
         for name in ready:
             metas = [self.table[name].get(r) for r in range(self.size)]
             del self.table[name]
+            self.first_seen.pop(name, None)
             with self.lock:
                 req = self.pending.pop(name, None)
             error = check(name, metas, joined, self.ranks)

@@ -91,6 +91,11 @@ def check(name: str, metas: list, joined: set, ranks: list) -> Optional[str]:
 # -- execution ---------------------------------------------------------------------------
 def run(ctrl: Any, batch: list) -> None:
     """Run ``batch`` (``(name, metas, request or None)`` in agreed order) on every rank."""
+    with torch.no_grad():   # this thread's grad mode: results never join a graph here
+        _run(ctrl, batch)
+
+
+def _run(ctrl: Any, batch: list) -> None:
     i = 0
     while i < len(batch):
         name, metas, req = batch[i]

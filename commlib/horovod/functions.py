@@ -41,8 +41,9 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s ``obj`` on every rank of ``process_set`` (others' ``obj`` is
-    ignored)."""
-    name = name or type(obj).__name__
+    ignored). The default name does not depend on ``obj`` (Horovod's does, so ranks passing
+    objects of different types there never match)."""
+    name = name or "broadcast_object"
     if state.require("broadcast_object").rank == root_rank:
         buf = io.BytesIO()
         _pickler.dump(obj, buf)
@@ -62,7 +63,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> list:
     """Every rank's ``obj``, in rank order, on every rank."""
-    name = name or type(obj).__name__
+    name = name or "allgather_object"
     buf = io.BytesIO()
     _pickler.dump(obj, buf)
     t = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)

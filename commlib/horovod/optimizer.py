@@ -204,6 +204,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_exchange(self, bucket: Bucket) -> Any:
         """Communication thread: reduce ``bucket.flat`` in place, Horovod's arithmetic."""
+        with torch.no_grad():
+            return self._hvd_reduce(bucket)
+
+    def _hvd_reduce(self, bucket: Bucket) -> Any:
         alg = self._hvd_algorithm
         if alg is not None:
             return alg.on_bucket_ready(self._hvd_ctx, bucket)
