@@ -21,7 +21,7 @@ import torch
 
 from . import ops, state
 from .compression import Compression
-from .controller import synchronize
+from .controller import call, synchronize
 from .execute import Average, Sum
 from .process_sets import ProcessSet, global_process_set
 
@@ -31,8 +31,8 @@ class HorovodAllreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, average: Any, name: Any, op: Any,
                 pre: float, post: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (average, op, pre, post, process_set)
-        return synchronize(ops.allreduce_async(tensor, average, name, op, pre, post,
-                                               process_set))
+        return call(ops.allreduce_async, tensor, average, name, op, pre, post,
+                                               process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -50,8 +50,12 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     device), differentiable. ``compression`` compresses before the exchange and
     decompresses after it."""
     compressed, cctx = compression.compress(tensor)
-    out = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
-                                 postscale_factor, process_set)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        out = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
+                                     postscale_factor, process_set)
+    else:   # no graph to record: skip autograd.Function's own cost
+        out = call(ops.allreduce_async, compressed, average, name, op, prescale_factor,
+                   postscale_factor, process_set)
     return compression.decompress(out, cctx)
 
 
@@ -60,8 +64,8 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, average: Any, name: Any, op: Any, pre: float, post: float,
                 process_set: ProcessSet, *tensors: torch.Tensor) -> tuple:
         ctx.args = (average, op, pre, post, process_set)
-        return tuple(synchronize(ops.grouped_allreduce_async(list(tensors), average, name, op,
-                                                             pre, post, process_set)))
+        return tuple(call(ops.grouped_allreduce_async, list(tensors), average, name, op,
+                                                             pre, post, process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -87,7 +91,7 @@ def _my_offset(dims: list, process_set: ProcessSet) -> list:
     """Row offset of this rank's part in each gathered tensor (one allgather of the first
     dimensions)."""
     t = torch.tensor(dims, dtype=torch.int64).reshape(1, -1)
-    table = synchronize(ops.allgather_async(t, process_set=process_set))
+    table = call(ops.allgather_async, t, process_set=process_set)
     me = process_set.rank() if process_set is not global_process_set else state.current.rank
     return [int(table[:me, k].sum()) for k in range(len(dims))]
 
@@ -98,7 +102,7 @@ class HorovodAllgather(torch.autograd.Function):
         ctx.dim = tensor.shape[0] if tensor.dim() else 1
         ctx.scalar = tensor.dim() == 0
         ctx.process_set = process_set
-        return synchronize(ops.allgather_async(tensor, name, process_set))
+        return call(ops.allgather_async, tensor, name, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -120,7 +124,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     def forward(ctx: Any, name: Any, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple:
         ctx.dims = [t.shape[0] for t in tensors]
         ctx.process_set = process_set
-        return tuple(synchronize(ops.grouped_allgather_async(list(tensors), name, process_set)))
+        return tuple(call(ops.grouped_allgather_async, list(tensors), name, process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -141,7 +145,7 @@ class HorovodBroadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any,
                 process_set: ProcessSet) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(ops.broadcast_async(tensor, root_rank, name, process_set))
+        return call(ops.broadcast_async, tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -154,14 +158,16 @@ class HorovodBroadcast(torch.autograd.Function):
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """``root_rank``'s tensor on every rank (a new tensor), differentiable."""
-    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    return call(ops.broadcast_async, tensor, root_rank, name, process_set)
 
 
 class HorovodAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any,
                 process_set: ProcessSet) -> Any:
-        out, received = synchronize(ops.alltoall_async(tensor, splits, name, process_set))
+        out, received = call(ops.alltoall_async, tensor, splits, name, process_set)
         ctx.process_set, ctx.received = process_set, received
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         if splits is None:
@@ -171,8 +177,8 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *ignored: Any) -> tuple:
-        g, _ = synchronize(ops.alltoall_async(grad.contiguous(), ctx.received,
-                                              process_set=ctx.process_set))
+        g, _ = call(ops.alltoall_async, grad.contiguous(), ctx.received,
+                                              process_set=ctx.process_set)
         if g.shape[0] < ctx.rows:   # rows past sum(splits) were not sent: zero gradient
             g = torch.cat([g, g.new_zeros((ctx.rows - g.shape[0],) + tuple(g.shape[1:]))])
         return g, None, None, None
@@ -190,7 +196,7 @@ class HorovodReducescatter(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: int, process_set: ProcessSet,
                 pre: float, post: float) -> torch.Tensor:
         ctx.args = (op, process_set, pre, post)
-        return synchronize(ops.reducescatter_async(tensor, name, op, process_set, pre, post))
+        return call(ops.reducescatter_async, tensor, name, op, process_set, pre, post)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -227,8 +233,8 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     def forward(ctx: Any, name: Any, op: int, process_set: ProcessSet, pre: float, post: float,
                 *tensors: torch.Tensor) -> tuple:
         ctx.args = (op, process_set, pre, post)
-        return tuple(synchronize(ops.grouped_reducescatter_async(list(tensors), name, op,
-                                                                 process_set, pre, post)))
+        return tuple(call(ops.grouped_reducescatter_async, list(tensors), name, op,
+                                                                 process_set, pre, post))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:

@@ -39,7 +39,7 @@ counters) restart from 0 there, on every rank.
 from __future__ import annotations
 
 import itertools
-import pickle
+import struct
 import threading
 import time
 from typing import Any, Optional
@@ -52,8 +52,11 @@ from ..shutdown import write_stderr
 from ..watchdog import abort_job
 from ..primitives import allgather, new_group
 from . import state as _state
+from . import wire
+from .execute import check, inline_allreduce, run
 
 SLOT_BYTES = 512
+_LENGTH = struct.Struct("<I")
 CACHE_CAPACITY = 1 << 14
 
 
@@ -65,21 +68,38 @@ class HorovodInternalError(RuntimeError):
 class Request:
     """One submitted operation (``inputs``/``outputs``: lists of tensors)."""
 
-    __slots__ = ("kind", "name", "meta", "inputs", "outputs", "params", "event", "error",
-                 "result", "controller")
+    __slots__ = ("kind", "name", "meta", "inputs", "outputs", "params", "done", "_event",
+                 "error", "result", "controller")
 
     def __init__(self, kind: str, name: str, meta: tuple, inputs: list, outputs: Any,
                  params: dict) -> None:
         self.kind, self.name, self.meta = kind, name, meta
         self.inputs, self.outputs, self.params = inputs, outputs, params
-        self.event = threading.Event()
+        self.done = False
+        self._event: Optional[threading.Event] = None   # made when a thread waits
         self.error: Optional[BaseException] = None
         self.result: Any = None
         self.controller: Any = None
 
     def finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
         self.result, self.error = result, error
-        self.event.set()
+        self.done = True
+        event = self._event
+        if event is not None:
+            event.set()
+
+    def wait_done(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for :meth:`finish` (from another thread)."""
+        if self._event is None:
+            with _event_lock:
+                if self._event is None:
+                    self._event = threading.Event()
+            if self.done:   # finished before the event existed
+                return True
+        return self._event.wait(timeout) or self.done
+
+
+_event_lock = threading.Lock()
 
 
 _handles: dict[int, Request] = {}
@@ -105,7 +125,7 @@ def poll(handle: int) -> bool:
     req = _handles.get(handle)
     if req is None:
         raise ValueError(f"commlib.horovod.poll: unknown handle {handle!r}")
-    return req.event.is_set()
+    return req.done
 
 
 def synchronize(handle: int) -> Any:
@@ -122,6 +142,23 @@ def synchronize(handle: int) -> Any:
     finally:
         with _handles_lock:
             _handles.pop(handle, None)
+    if req.error is not None:
+        raise req.error
+    return req.result
+
+
+_tls = threading.local()
+
+
+def call(submit: Any, *args: Any, **kwargs: Any) -> Any:
+    """``synchronize(submit(*args, **kwargs))`` without a hand-off to the negotiation
+    thread: the calling thread drives the rounds itself when the thread is idle."""
+    _tls.defer = True
+    try:
+        req = submit(*args, **kwargs)   # a Request, not a handle, while deferred
+    finally:
+        _tls.defer = False
+    req.controller.wait(req)
     if req.error is not None:
         raise req.error
     return req.result
@@ -144,12 +181,14 @@ class Controller:
         self.rank = self.neg.rank
         self.size = len(ranks)
         self.threaded = runtime.thread_multiple()
-        self.lock = threading.Condition()
+        self.mutex = threading.Lock()
+        self.lock = threading.Condition(self.mutex)   # waits for work (the thread)
         self.unannounced: list[Request] = []
         self.pending: dict[str, Request] = {}   # this rank's requests by name, not done
         self.table: dict[str, dict[int, tuple]] = {}
         self.order: list[str] = []
         self.cache: dict[int, tuple] = {}
+        self.cache_ids: dict[tuple, int] = {}
         self.my_cache: dict[tuple, int] = {}
         self.next_cid = 0
         self.counters: dict[str, int] = {}
@@ -162,6 +201,9 @@ class Controller:
         self.stopping = False
         self.closed = False
         self.fatal: Optional[BaseException] = None
+        self.inline: dict[str, dict[int, tuple]] = {}   # name -> rank -> (slot, offset)
+        self._slot = np.zeros(SLOT_BYTES, dtype=np.uint8)
+        self._slot_view = memoryview(self._slot)
         self._thread: Optional[threading.Thread] = None
         self._driving = threading.Lock()
 
@@ -180,13 +222,15 @@ class Controller:
         if self.closed or self.stopping:
             raise HorovodInternalError(f"commlib.horovod.{req.kind}: Horovod has been shut down")
         req.controller = self
-        with self.lock:
+        with self.mutex:
             if req.name in self.pending:
                 raise ValueError(f"commlib.horovod.{req.kind} (rank {self.rank}): a collective "
                                  f"named {req.name!r} is already pending on this rank (Horovod "
                                  f"requires unique names among outstanding operations)")
             self.pending[req.name] = req
             self.unannounced.append(req)
+            if _tls.__dict__.get("defer"):
+                return req   # for call(): it waits on this thread
             self._wake()
         return new_handle(req)
 
@@ -194,7 +238,7 @@ class Controller:
         """Join (see the module docstring); returns the last rank to join."""
         req = Request("join", "join", ("join",), [], None, {})
         req.controller = self
-        with self.lock:
+        with self.mutex:
             self.joined = True
             self.join_req = req
             self._wake()
@@ -213,14 +257,30 @@ class Controller:
             self.lock.notify_all()
 
     def wait(self, req: Request) -> None:
+        if req.done:
+            return
         if self.threaded:
-            while not req.event.wait(0.5):
-                if self.fatal is not None and not req.event.is_set():
+            # Nobody is in a round on this rank: drive them here, no hand-off (waiting in
+            # MPI, as commlib's own blocking collectives wait). Join waits politely
+            # on the thread instead (it may wait long for the others).
+            if req.kind != "join" and self._driving.acquire(blocking=False):
+                try:
+                    while not req.done and not self.closed:
+                        if not self._round(spin=True):
+                            time.sleep(5e-5)
+                finally:
+                    self._driving.release()
+                if req.done:
+                    return
+            with self.mutex:
+                self._wake()
+            while not req.wait_done(0.5):
+                if self.fatal is not None and not req.done:
                     raise HorovodInternalError(f"commlib.horovod: the negotiation thread of "
                                                f"{self.label} failed: {self.fatal}")
             return
         with self._driving:
-            while not req.event.is_set():
+            while not req.done:
                 self._round()
 
     # -- the negotiation thread ------------------------------------------------------------
@@ -231,10 +291,13 @@ class Controller:
         backoff = 0.0
         try:
             while True:
-                with self.lock:
+                with self.mutex:
                     while not self._has_work():
                         self.lock.wait()
-                progressed = self._round()
+                with self._driving:   # a blocked caller may be driving the rounds
+                    if not self._has_work():
+                        continue
+                    progressed = self._round()
                 if self.closed:
                     return
                 if progressed:
@@ -247,57 +310,79 @@ class Controller:
             self._fail_all(HorovodInternalError(f"commlib.horovod: negotiation failed on "
                                                 f"{self.label}: {exc!r}"))
 
-    def _exchange(self, payload: bytes) -> list[bytes]:
-        """One round's allgather of every rank's slot."""
-        slot = np.zeros(SLOT_BYTES, dtype=np.uint8)
-        slot[:4] = np.frombuffer(np.uint32(len(payload)).tobytes(), dtype=np.uint8)
-        fits = len(payload) <= SLOT_BYTES - 4
-        if fits:
-            slot[4:4 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    def _exchange(self, payload: bytes, spin: bool = False) -> tuple:
+        """One round's allgather of every rank's slot (``spin``: waited for in MPI, else
+        polled with short sleeps)."""
+        slot, n = self._slot, len(payload)
+        _LENGTH.pack_into(self._slot_view, 0, n)
+        if n <= SLOT_BYTES - 4:
+            self._slot_view[4:4 + n] = payload
+        # Always the nonblocking allgather: MPI does not match a blocking collective
+        # with a nonblocking one, and another rank may be in this round on its thread.
         work = allgather(slot, group=self.neg, async_op=True)
-        for _ in range(64):
-            if work.is_completed():
-                break
-            time.sleep(0)
-        slots = work.wait(poll_s=2e-4)
-        lengths = [int(np.frombuffer(s[:4].tobytes(), dtype=np.uint32)[0]) for s in slots]
-        longest = max(lengths)
+        if spin:
+            slots = work.wait()
+        else:
+            for _ in range(64):
+                if work.is_completed():
+                    break
+                time.sleep(0)
+            slots = work.wait(poll_s=2e-4)
+        lengths = slots.view(np.uint32)[:, 0]
+        longest = int(lengths.max())
         if longest > SLOT_BYTES - 4:   # somebody's announcements did not fit: send them all
             big = np.zeros(longest, dtype=np.uint8)
             big[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
             full = allgather(big, group=self.neg)
-            return [full[r, :lengths[r]].tobytes() for r in range(self.size)]
-        return [slots[r, 4:4 + lengths[r]].tobytes() for r in range(self.size)]
+            return [full[r, :lengths[r]].tobytes() for r in range(self.size)], None
+        return lengths, slots
 
-    def _round(self) -> bool:
+    def _round(self, spin: bool = False) -> bool:
         """One negotiation round and the execution of what became ready; True when it
         made progress (something announced, run, joined or stopped)."""
-        with self.lock:
+        with self.mutex:
             new, self.unannounced = self.unannounced, []
             flags = (1 if self.joined else 0) | (2 if self.stopping else 0)
-        items = [self.my_cache.get((r.name, r.meta), (r.name, r.meta)) for r in new]
-        payload = pickle.dumps((flags, items), protocol=4) if (items or flags) else b""
-        slots = self._exchange(payload)
+        cached, fresh = [], []
+        for req in new:
+            cid = self.my_cache.get((req.name, req.meta))
+            if cid is None:
+                fresh.append(req)
+            else:
+                cached.append((cid, req))
+        payload = wire.encode(flags, cached, fresh)
+        slots, rows = self._exchange(payload, spin)
         self.rounds += 1
+        if rows is not None:
+            if new and not flags and not self.table \
+                    and self._fast(payload, rows, [r for _, r in cached] + fresh):
+                return True
+            slots = [rows[r, 4:4 + n].tobytes() for r, n in enumerate(slots.tolist())]
         joined, stopping, announced = set(), 0, 0
         for r, data in enumerate(slots):
-            f, its = pickle.loads(data) if data else (0, [])
+            if not data:
+                continue
+            f, cids, its, o = wire.decode(data)
             if f & 1:
                 joined.add(r)
                 self.join_round.setdefault(r, self.rounds)
             stopping += bool(f & 2)
-            for it in its:
-                name, meta = (it[0], it[1]) if isinstance(it, tuple) else \
-                    (self.cache[it][0], self.cache[it][1][r])
+            for name, meta in [(self.cache[c][0], self.cache[c][1][r]) for c in cids] + list(its):
                 slot = self.table.get(name)
                 if slot is None:
                     slot = self.table[name] = {}
                     self.order.append(name)
                     self.first_seen[name] = time.monotonic()
                 slot[r] = meta
+                n = wire.inline_nbytes(meta)
+                if n:
+                    self.inline.setdefault(name, {})[r] = (data, o)
+                    o += n
                 announced += 1
+        size = self.size
         ready = [n for n in self.order
-                 if all(r in self.table[n] or r in joined for r in range(self.size))]
+                 if len(self.table[n]) == size
+                 or all(r in self.table[n] or r in joined for r in range(size))]
         if ready:
             self._run(ready, joined)
         if self.order and self.rounds % 64 == 0:
@@ -306,7 +391,7 @@ class Controller:
         if done_join:
             last = max(self.join_round.values())
             winner = max(r for r, k in self.join_round.items() if k == last)
-            with self.lock:
+            with self.mutex:
                 self.joined = False
                 req, self.join_req = self.join_req, None
             self.join_round = {}
@@ -339,38 +424,79 @@ class Controller:
                 write_stderr(f"[commlib.horovod] rank {self.ranks[self.rank]}: stalled: "
                              f"{name!r} is waiting for ranks {missing} since {age:.0f} s\n")
 
+    def _cache_id(self, name: str, metas: list, req: Optional[Request]) -> None:
+        """The response cache: the same id on every rank for a ``(name, metas)`` that ran."""
+        key = (name, tuple(metas))
+        cid = self.cache_ids.get(key)
+        if cid is None:
+            if self.next_cid >= CACHE_CAPACITY:
+                return
+            cid, self.next_cid = self.next_cid, self.next_cid + 1
+            self.cache[cid] = (name, metas)
+            self.cache_ids[key] = cid
+        if req is not None:
+            self.my_cache[(name, req.meta)] = cid
+
+    def _fast(self, payload: bytes, rows: Any, reqs: list) -> bool:
+        """The common round: every rank announced exactly what this rank announced (the
+        same slot but for the inline data) and nothing else is outstanding, so every item
+        is ready, with agreeing metadata, on every rank (the same decision everywhere)."""
+        o = 4 + wire.prefix_len(payload)
+        head = rows[:, :o]
+        if self.size > 1 and not (head == head[self.rank]).all():
+            return False
+        batch = []
+        for req in reqs:
+            name = req.name
+            metas = [req.meta] * self.size
+            with self.mutex:
+                del self.pending[name]
+            self._cache_id(name, metas, req)
+            n = wire.inline_nbytes(req.meta)
+            if n:
+                inline_allreduce(self, req, rows[:, o:o + n].copy())
+                o += n
+            else:
+                batch.append((name, metas, req, None))
+        if batch:
+            run(self, batch)
+        return True
+
     def _run(self, ready: list, joined: set) -> None:
-        from .execute import check, run
         batch = []
         for name in ready:
             metas = [self.table[name].get(r) for r in range(self.size)]
             del self.table[name]
             self.first_seen.pop(name, None)
-            with self.lock:
+            with self.mutex:
                 req = self.pending.pop(name, None)
             error = check(name, metas, joined, self.ranks)
             if error is not None:
+                self.inline.pop(name, None)
                 if req is not None:
                     req.finish(error=HorovodInternalError(error))
                 continue
-            if self.next_cid < CACHE_CAPACITY:
-                cid, self.next_cid = self.next_cid, self.next_cid + 1
-                self.cache[cid] = (name, metas)
-                if req is not None:
-                    self.my_cache[(name, req.meta)] = cid
-            batch.append((name, metas, req))
+            self._cache_id(name, metas, req)
+            inline = self.inline.pop(name, None)
+            if inline is not None:   # joined ranks' rows stay zero
+                nb = wire.inline_nbytes(next(m for m in metas if m is not None))
+                raw = np.zeros((self.size, nb), dtype=np.uint8)
+                for r, (data, o) in inline.items():
+                    raw[r] = np.frombuffer(data, dtype=np.uint8, count=nb, offset=o)
+                inline = raw
+            batch.append((name, metas, req, inline))
         self.order = [n for n in self.order if n in self.table]
         run(self, batch)
 
     def _fail_all(self, error: BaseException) -> None:
-        with self.lock:
+        with self.mutex:
             reqs = list(self.pending.values()) + ([self.join_req] if self.join_req else [])
             self.pending.clear()
             self.unannounced = []
             self.join_req = None
             self.joined = False
         for req in reqs:
-            if not req.event.is_set():
+            if not req.done:
                 req.finish(error=error)
 
     # -- shutdown --------------------------------------------------------------------------
@@ -380,7 +506,7 @@ class Controller:
         if self.closed or not self.member:
             self._free()
             return
-        with self.lock:
+        with self.mutex:
             self.stopping = True
             self._wake()
         if self.threaded and self._thread is not None:
@@ -401,7 +527,7 @@ class Controller:
 
     def stop_at_exit(self, deadline: float) -> bool:
         """:mod:`commlib.shutdown`: a script that never called ``hvd.shutdown()``."""
-        with self.lock:
+        with self.mutex:
             self.stopping = True
             self.lock.notify_all()
         thread = self._thread

@@ -19,6 +19,7 @@ import torch
 from ..primitives import allgather, allgather_v, allreduce, alltoall_v, broadcast, reduce_scatter
 from ..reduce_ops import ReduceOp
 from .adasum import adasum_combine
+from .wire import inline_numpy_dtype
 
 # Horovod's reduce-op values (horovod.common.basics).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -90,9 +91,64 @@ def check(name: str, metas: list, joined: set, ranks: list) -> Optional[str]:
 
 # -- execution ---------------------------------------------------------------------------
 def run(ctrl: Any, batch: list) -> None:
-    """Run ``batch`` (``(name, metas, request or None)`` in agreed order) on every rank."""
-    with torch.no_grad():   # this thread's grad mode: results never join a graph here
-        _run(ctrl, batch)
+    """Run ``batch`` (``(name, metas, request or None, inline data or None)`` in agreed
+    order) on every rank."""
+    rest = []
+    for name, metas, req, inline in batch:
+        if inline is None:
+            rest.append((name, metas, req))
+        else:
+            inline_allreduce(ctrl, req, inline, metas)
+    if rest:
+        with torch.no_grad():   # this thread's grad mode: results never join a graph here
+            _run(ctrl, rest)
+
+
+_NP_COMBINE = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum,
+               Product: np.multiply}
+
+
+def _np_scale(x: np.ndarray, factor: float) -> None:
+    """:func:`scale_` on a numpy array of an inline dtype (float32, float64, integers)."""
+    if x.dtype == np.float32:
+        x *= np.float32(factor)
+    elif x.dtype == np.float64:
+        x *= factor
+    else:
+        x[...] = (x * factor).astype(x.dtype)   # float64 product, truncated toward zero
+
+
+def inline_allreduce(ctrl: Any, req: Any, inline: np.ndarray, metas: Any = None) -> None:
+    """A tiny allreduce whose inputs came inline with the negotiation round
+    (:mod:`commlib.horovod.wire`; ``inline``: a (ranks, bytes) uint8 array, zeros for
+    joined ranks): every rank reduces the same bytes in rank order
+    (Horovod's arithmetic: prescale each input, combine, postscale); joined ranks count as
+    zeros. No communication."""
+    meta = req.meta if req is not None else next(m for m in metas if m is not None)
+    _, op, pre, post, specs = meta
+    try:   # numpy, in Horovod's precision (see scale_); the output through detach()
+        x = inline.view(inline_numpy_dtype(meta))   # (ranks, numel)
+        if pre != 1.0:
+            _np_scale(x, pre)
+        acc = x[0]
+        combine = _NP_COMBINE[op]
+        for r in range(1, ctrl.size):
+            combine(acc, x[r], out=acc)
+        post = post_factor(op, post, ctrl.size)
+        if post != 1.0:
+            _np_scale(acc, post)
+        if req is not None:
+            out = req.outputs[0]
+            if out is None:
+                req.outputs[0] = torch.from_numpy(acc.reshape(specs[0][1]))
+            else:
+                out.detach().view(-1).copy_(torch.from_numpy(acc))
+    except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
+        if req is not None:
+            req.finish(error=exc)
+        return
+    if req is not None:
+        req.finish(req.outputs if req.params.get("grouped") else req.outputs[0])
 
 
 def _run(ctrl: Any, batch: list) -> None:
@@ -151,6 +207,10 @@ def _allreduce(ctrl: Any, entries: list) -> None:
     dtype, _, dev = meta[4][0]
     try:
         single = len(slots) == 1 and slots[0][0] is not None
+        for req, k, _, _ in slots:
+            if req is not None and req.outputs[k] is None:   # out of place: made here
+                req.outputs[k] = torch.empty_like(req.inputs[k],
+                                                  memory_format=torch.contiguous_format)
         if single:
             req = slots[0][0]
             out = req.outputs[0]
@@ -196,6 +256,9 @@ def _adasum(ctrl: Any, metas: list, req: Any) -> Any:
         result = adasum_combine(list(gathered))
         scale_(result, post)
         if req is not None:
+            if req.outputs[k] is None:
+                req.outputs[k] = torch.empty_like(req.inputs[k],
+                                                  memory_format=torch.contiguous_format)
             req.outputs[k].copy_(result.view_as(req.outputs[k]))
             outs.append(req.outputs[k])
     if req is None:

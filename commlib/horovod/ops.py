@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import state
-from .controller import Request, synchronize
+from .controller import Request, call, synchronize
 from .execute import Adasum, Average, Max, Min, Product, Sum
 from .process_sets import ProcessSet, global_process_set
 
@@ -110,8 +110,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
     returns a new tensor of the same shape, dtype and device). ``op`` defaults to
     ``Average`` (integer averages truncate toward zero, as Horovod's)."""
     op = handle_average_backwards_compatibility(op, average)
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _allreduce_async([tensor], [out], name, op, prescale_factor, postscale_factor,
+    # the output (None) is made when the operation runs
+    return _allreduce_async([tensor], [None], name, op, prescale_factor, postscale_factor,
                             process_set, False)
 
 
@@ -130,8 +130,8 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return call(allreduce_async_, tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -142,9 +142,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     position pairs tensors across ranks. ``synchronize`` returns a list of new tensors."""
     op = handle_average_backwards_compatibility(op, average)
     tensors = list(tensors)
-    outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    return _allreduce_async(tensors, outs, name, op, prescale_factor, postscale_factor,
-                            process_set, True)
+    return _allreduce_async(tensors, [None] * len(tensors), name, op, prescale_factor,
+                            postscale_factor, process_set, True)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -161,8 +160,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
                        name: Optional[str] = None, op: Optional[int] = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+    return call(grouped_allreduce_async_, tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -217,7 +216,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast; returns ``tensor``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return call(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
@@ -315,7 +314,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` reached its barrier."""
-    synchronize(_submit("barrier", None, ("barrier",), [], None, process_set))
+    call(_submit, "barrier", None, ("barrier",), [], None, process_set)
 
 
 def join(device: int = -1) -> int:
