@@ -119,6 +119,47 @@ def test_allreduce_family():
     assert cases == 144
 
 
+def test_tiny_blocking_allreduce_is_one_collective():
+    """Latency: a tiny blocking allreduce (named, unnamed, in place, every op) costs one
+    collective - its negotiation round's allgather carries the data - on every rank, and
+    gives Horovod's result; a larger one still negotiates, then reduces (two)."""
+    from commlib import accounting
+    n, me = hvd.size(), hvd.rank()
+    hvd.barrier()
+    before = accounting.stats()
+    cases = 0
+    for dtype, op, name in itertools.product((torch.float32, torch.int64, torch.uint8),
+                                             (hvd.Sum, hvd.Average, hvd.Max, hvd.Product),
+                                             ("tiny", None)):
+        xs = [data(r, (3,), dtype, 300 + cases) % 5 + 1 for r in range(n)]
+        if op in (hvd.Sum, hvd.Average):
+            acc = xs[0].clone()
+            for x in xs[1:]:
+                acc = acc + x
+            want = scaled(acc, 1.0 / n) if op == hvd.Average else acc
+        elif op == hvd.Max:
+            want = torch.stack(xs).max(0).values
+        else:
+            want = xs[0].clone()
+            for x in xs[1:]:
+                want = want * x
+        case = f"tiny allreduce {dtype} op={op} name={name}"
+        mine = xs[me].clone()
+        same(hvd.allreduce(mine, op=op, name=name), want, case)
+        same(hvd.allreduce_(mine, op=op, name=None if name is None else name + "_"), want,
+             case + " in place")
+        cases += 2
+    after = accounting.stats()
+    calls = sum(v["calls"] - before.get(k, {}).get("calls", 0) for k, v in after.items())
+    assert calls == cases, f"{cases} tiny blocking allreduces made {calls} collectives"
+    big = torch.ones(1000)
+    before = accounting.stats()
+    same(hvd.allreduce(big, op=hvd.Sum), torch.full((1000,), float(n)), "1000 floats")
+    after = accounting.stats()
+    calls = sum(v["calls"] - before.get(k, {}).get("calls", 0) for k, v in after.items())
+    assert calls == 2, f"a 4 KB allreduce made {calls} collectives, expected 2"
+
+
 def test_gather_broadcast_alltoall_reducescatter():
     n, me = hvd.size(), hvd.rank()
     cases = 0
