@@ -24,10 +24,21 @@ nothing is sent, so nothing hangs or is corrupted. A rank with nothing pending d
 take part in rounds (it computes), so the others wait for it inside the allgather, polling
 with short sleeps (no core spun).
 
+**Tiny allreduces** (CPU, one tensor of at most 128 bytes, float32/64 or integers, not
+Adasum: :mod:`commlib.horovod.wire`) carry their input inline in the slot; when they are
+ready every rank reduces the gathered bytes itself, in rank order, so such an allreduce
+costs one allgather in all. **The common round** - every rank announced exactly the same
+thing and nothing else is outstanding (the same decision on every rank: it compares the
+gathered slots) - skips the table: its items are ready and agree.
+
 **Threads.** With ``MPI_THREAD_MULTIPLE`` the rounds and the data collectives run on the
 controller's own thread, so ``*_async`` operations really proceed while the caller
-computes (``poll`` is False until the data is in). Without it, ``synchronize`` drives the
-rounds on the caller's thread.
+computes (``poll`` is False until the data is in). A blocking operation (``allreduce``,
+``broadcast``, ... through :func:`call`) does not hand off: when no round is under way on
+this rank, the caller's thread drives the rounds itself until its operation is done (one
+thread at a time drives, under a lock; the rounds' allgather is always the nonblocking
+one, since MPI matches a blocking collective only with blocking ones). Without
+``MPI_THREAD_MULTIPLE``, ``synchronize`` drives the rounds on the caller's thread.
 
 **Join.** ``join()`` sets the rank's joined flag: while joined it keeps taking part in
 rounds, contributing zeros to every allreduce the other ranks run (the shapes come from
@@ -450,7 +461,7 @@ class Controller:
             name = req.name
             metas = [req.meta] * self.size
             with self.mutex:
-                del self.pending[name]
+                self.pending.pop(name, None)
             self._cache_id(name, metas, req)
             n = wire.inline_nbytes(req.meta)
             if n:
