@@ -245,7 +245,7 @@ class SlurmCluster:
     # -- stop --------------------------------------------------------------------------
     def leftovers(self) -> list[int]:
         """Processes (other than this one) whose environment carries this cluster's
-        ``SLURM_CONF``: the daemons' children, the jobs' tasks."""
+        ``SLURM_CONF``: the daemons themselves, ``slurmstepd``, the jobs' tasks."""
         if not self.conf:
             return []
         mark = f"SLURM_CONF={self.conf}".encode()

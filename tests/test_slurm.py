@@ -10,9 +10,11 @@ slurmd, all in a temporary directory) runs commlib jobs through ``srun`` and ``s
   loss falls, the test accuracy is well above chance) with identical replicas.
 * an ``sbatch --wait`` batch script of 4 tasks (the README's recipe) whose steps are
   ``srun --mpi=pmi2 python -m commlib.examples.train_digits`` (Slurm's own PMI server,
-  which MPICH's PMI-1 client uses; the same training) and a step that imports mpi4py
-  before commlib (no world can be formed: every task must fail in ``commlib.init``
-  naming srun and the fix, not train alone).
+  which MPICH's PMI-1 client uses; the same training), a step under ``WORLD_SIZE``,
+  ``MASTER_ADDR`` and ``MASTER_PORT`` exported by the script (a common recipe: each task
+  is still Slurm's, on the exported store) and a step that imports mpi4py before commlib
+  (no world can be formed: every task must fail in ``commlib.init`` naming srun and the
+  fix, not train alone).
 
 Afterwards every daemon is stopped by its pid, nothing carrying the cluster's
 ``SLURM_CONF`` is left running, its directory is gone, and no MPICH segment appeared in
@@ -20,6 +22,7 @@ Afterwards every daemon is stopped by its pid, nothing carrying the cluster's
 """
 import os
 import re
+import socket
 import textwrap
 
 import pytest
@@ -28,6 +31,7 @@ import slurm_cluster
 from helpers import serial_only
 
 from commlib import runtime
+from commlib.launch import environment
 from commlib.launch.world import shm_segments
 import commlib
 
@@ -114,9 +118,10 @@ def test_srun_four_tasks_torch_backend_and_train_digits(cluster):
 
 
 @needs_slurm
-def test_sbatch_script_srun_pmi2_and_a_world_that_cannot_form(cluster, tmp_path):
+def test_sbatch_script_pmi2_exported_variables_and_a_world_that_cannot_form(cluster, tmp_path):
     log = tmp_path / "job.out"
     script = tmp_path / "job.sh"
+    port = free_port()
     script.write_text(textwrap.dedent(f"""\
         #!/bin/bash
         #SBATCH --job-name=commlib-test
@@ -125,20 +130,56 @@ def test_sbatch_script_srun_pmi2_and_a_world_that_cannot_form(cluster, tmp_path)
         echo "batch shell: SLURM_NTASKS=$SLURM_NTASKS"
         srun --mpi=pmi2 python -m commlib.examples.train_digits --epochs 2 --no-progress
         echo "step 0 exit $?"
-        srun -n 2 python -c "from mpi4py import MPI; import commlib; commlib.init(); print('TRAINED-ALONE')"
+        export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+        export MASTER_PORT={port} WORLD_SIZE=2
+        srun -n 2 python -c "{EXPORTED}"
         echo "step 1 exit $?"
+        srun -n 2 python -c "from mpi4py import MPI; import commlib; commlib.init(); print('TRAINED-ALONE')"
+        echo "step 2 exit $?"
         """))
     code, out = cluster.run(["sbatch", "--wait", str(script)], timeout=300, **job_env())
     text = log.read_text() if log.exists() else ""
     print(out + text)
     assert code == 0 and "batch shell: SLURM_NTASKS=4" in text, out + text
-    step0, step1 = text.split("step 0 exit ")
-    assert step1.startswith("0\n"), text
+    step0, step1, step2 = re.split(r"step \d exit ", text)[:3]
+    assert "step 0 exit 0\n" in text and "step 1 exit 0\n" in text, text
     check_digits(step0)
-    assert "step 1 exit 0" not in text and "TRAINED-ALONE" not in text, text
+    # The batch script exported WORLD_SIZE, MASTER_ADDR, MASTER_PORT (a common recipe):
+    # each task is still Slurm's (SLURM_PROCID), on the exported store address.
+    got = sorted(re.findall(r"exported world (\d) rank (\d) task (\d) (\S+) (\S+):(\d+)", step1))
+    assert got == [("2", r, r, "slurm", cluster.node, str(port)) for r in "01"], text
+    assert "step 2 exit 0" not in text and "TRAINED-ALONE" not in text, text
     assert len(re.findall(r"this process was started by srun, but MPI sees a world of 1 "
-                          r"process.*mpi4py\.MPI was imported before commlib", text)) == 2, text
-    assert "srun --mpi=none python -c" in text, text
+                          r"process.*mpi4py\.MPI was imported before commlib", step2)) == 2, text
+    assert "srun --mpi=none python -c" in step2, text
+
+
+EXPORTED = ("import commlib, os; commlib.init(); j = commlib.launch.current().job; "
+            "print('exported world', commlib.get_world_size(), 'rank', commlib.get_rank(), "
+            "'task', os.environ['SLURM_PROCID'], j.launcher, f'{j.master_addr}:{j.master_port}',"
+            " flush=True)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_detect_an_srun_task_under_exported_job_variables():
+    # No Slurm needed: WORLD_SIZE/MASTER_ADDR/MASTER_PORT exported by the batch script
+    # for the whole job, no RANK: the task is Slurm's, on the exported store; a WORLD_SIZE
+    # that is not the step's task count is refused, naming both.
+    step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1", "SLURM_PROCID": "1",
+            "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "n[3-4]",
+            "WORLD_SIZE": "2", "MASTER_ADDR": "n3", "MASTER_PORT": "29500"}
+    job = environment.detect(step)
+    assert (job.launcher, job.rank, job.size, job.master_addr, job.master_port) == \
+        ("slurm", 1, 2, "n3", 29500) and job.exported == ()
+    with pytest.raises(environment.NoJob, match=r"WORLD_SIZE='4' .* the srun step has 2 tasks"):
+        environment.detect(dict(step, WORLD_SIZE="4"))
+    # A per-process RANK (torchrun inside srun) still wins.
+    assert environment.detect(dict(step, RANK="0")).launcher == "env"
 
 
 def test_launcher_check_names_srun_and_the_fix():
