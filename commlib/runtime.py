@@ -89,7 +89,9 @@ def check_launcher(environ: Any) -> None:
     except ValueError:
         n = 0
     step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", ""))
-    slurm = n <= 1 and step != ""
+    # An srun task without a per-process RANK (a WORLD_SIZE the batch script exported
+    # for the job does not make it torchrun's), as commlib.launch reads it.
+    slurm = step != "" and "RANK" not in environ
     if slurm:
         try:
             n = int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS", ""))

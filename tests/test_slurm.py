@@ -200,6 +200,8 @@ def test_launcher_check_names_srun_and_the_fix():
     with pytest.raises(commlib.CommError, match="task 0 of 2"):
         runtime.check_launcher({"SLURM_JOB_ID": "7", "SLURM_STEPID": "0",
                                 "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    with pytest.raises(commlib.CommError, match="task 3 of 4 of Slurm step 77.2"):
+        runtime.check_launcher(dict(step, WORLD_SIZE="4"))  # exported by the batch script
     batch = {k: v for k, v in step.items() if k not in ("SLURM_STEP_ID",
                                                        "SLURM_STEP_NUM_TASKS")}
     for fine in (batch, dict(step, SLURM_STEP_NUM_TASKS="1"), dict(step, COMMLIB_LAUNCH="mpi")):
