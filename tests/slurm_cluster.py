@@ -9,7 +9,7 @@ own socket, pid, log and seed files), ``slurm.conf`` (free ports for ``slurmctld
 ``slurmd``, one node named after this host at ``127.0.0.1`` with :data:`CPUS` CPUs whatever
 the machine has, ``SlurmdParameters=config_overrides``; no cgroups, no accounting, no
 system plug-ins, ``MpiDefault=none``, a random ``FirstJobId``), the controller's state and
-``slurmd``'s spool. Nothing outside it is read or written but the daemons' listening ports;
+``slurmd``'s spool. Nothing outside it is read or written but the daemons' listening ports (random, in 61000-65499);
 the system's ``/etc/slurm`` and ``/etc/munge`` are never used (every command gets
 ``SLURM_CONF``).
 
@@ -62,14 +62,19 @@ def _sbin_path() -> str:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` ports free now, above Linux's default ephemeral range (32768-60999), where
+    no outgoing connection takes them between this check and the daemon's bind."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = 61000 + secrets.randbelow(4500)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _alive(pid: int) -> bool:
@@ -82,7 +87,7 @@ def _alive(pid: int) -> bool:
 
 class SlurmCluster:
     """One ``slurmctld`` and one ``slurmd`` (node :attr:`node`, :data:`CPUS` CPUs) with their
-    own ``munged``, in :attr:`dir`. Use as a context manager, or :meth:`start`/:meth:`stop`."""
+    own ``munged``, in :attr:`dir` (started again, on other ports, if a port was taken). Use as a context manager, or :meth:`start`/:meth:`stop`."""
 
     def __init__(self, cpus: int = CPUS, start_timeout: float = 60.0) -> None:
         self.cpus, self.start_timeout = cpus, start_timeout
@@ -104,17 +109,23 @@ class SlurmCluster:
         if reason:
             raise RuntimeError(reason)
         # munged wants its socket's directories searchable by all and its key private.
-        self.dir = tempfile.mkdtemp(prefix="commlib-slurm-")
-        os.chmod(self.dir, 0o755)
-        try:
-            self._start_munge()
-            self._write_conf()
-            self._daemon("slurmctld", ["slurmctld", "-i"])
-            self._daemon("slurmd", ["slurmd", "-N", self.node])
-            self._wait_idle()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(3):  # a port taken between the check and the bind: again
+            self.dir = tempfile.mkdtemp(prefix="commlib-slurm-")
+            os.chmod(self.dir, 0o755)
+            try:
+                self._start_munge()
+                self._write_conf()
+                self._daemon("slurmctld", ["slurmctld", "-i"])
+                self._daemon("slurmd", ["slurmd", "-N", self.node])
+                self._wait_idle()
+                return
+            except RuntimeError as exc:
+                self.stop()
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
