@@ -218,20 +218,20 @@ class PowerSGD(Algorithm):
         for batch, q, p in zip(batches, qs, ps):
             torch.bmm(batch, q, out=p)
         if memory.numel():
-            allreduce(memory, op=ReduceOp.SUM, group=ctx.group)
+            self.exchange(ctx, "uncompressed", memory)
             memory.div_(n)
             offset = 0
             for t in uncompressed:
                 t.copy_(memory[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
         if p_mem.numel():
-            allreduce(p_mem, op=ReduceOp.SUM, group=ctx.group)
+            self.exchange(ctx, "p", p_mem)
         for p in ps:
             orthogonalize(p, self.orthogonalization_epsilon)
         for batch, p, q in zip(batches, ps, qs):
             torch.bmm(batch.transpose(1, 2), p, out=q)
         if q_mem.numel():
-            allreduce(q_mem, op=ReduceOp.SUM, group=ctx.group)
+            self.exchange(ctx, "q", q_mem)
             q_mem.div_(n)
         for p, q, batch in zip(ps, qs, batches):
             torch.bmm(p, q.transpose(1, 2), out=batch)
@@ -244,6 +244,11 @@ class PowerSGD(Algorithm):
         if before is not None:
             error = before - flat if scale == 1.0 else (before - flat).div_(scale)
         self._staged[k] = _Staged(error, p_mem, q_mem)
+
+    def exchange(self, ctx: Context, what: str, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` (``what``: ``"uncompressed"``, ``"p"`` or ``"q"``) over the group,
+        in place."""
+        allreduce(tensor, op=ReduceOp.SUM, group=ctx.group)
 
     def after_backward(self, ctx: Context) -> None:
         """Keep the step's residuals and memories if every bucket's result is finite (the
