@@ -53,7 +53,8 @@ ALGORITHMS = sorted(KWARGS)
 SIZES = (2, 3)
 FAULT_STEP = 12
 #: Gradients travel: a non-finite gradient anywhere reaches every rank, replicas stay equal.
-GRADIENT_ALGORITHMS = {"gradient_allreduce", "bytegrad", "qadam", "d_kfac", "dp_kfac"}
+GRADIENT_ALGORITHMS = {"gradient_allreduce", "bytegrad", "qadam", "d_kfac", "dp_kfac",
+                       "powersgd"}
 COMPLETES = ("nan", "step_raises", "noclose")
 BOUND_S = 30.0           # a failing job must be over this long after the fault
 OUTER_TIMEOUT_S = 150    # beyond this a job counts as hung

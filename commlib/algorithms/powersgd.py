@@ -277,7 +277,7 @@ class PowerSGD(Algorithm):
         if self._staged:
             raise RuntimeError(f"powersgd.state_dict (rank {ctx.rank}): a backward pass is "
                                f"in progress; take the state between iterations")
-        kinds, pos, keys, ints, has_gauss, gauss = self._rng.get_state()
+        _, keys, pos, has_gauss, gauss = self._rng.get_state()
         per = lambda d: [d.get(b.index) for b in ctx.buckets]  # noqa: E731
         return {"buckets": state.bucket_layout(ctx.buckets), "error": per(self._error),
                 "p": per(self._p), "q": per(self._q),
