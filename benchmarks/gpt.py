@@ -47,7 +47,9 @@ class Config:
 
 
 DEFAULT = Config()
+SMALL = Config(d_model=144, layers=4, heads=4, context=64)     # 1.05 M parameters
 TINY = Config(d_model=32, layers=2, heads=2, context=32)
+SIZES = {"default": DEFAULT, "small": SMALL, "tiny": TINY}
 
 
 def stdlib_files(root: str | None = None) -> list[str]:

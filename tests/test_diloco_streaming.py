@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
 import broken_algorithms as broken  # noqa: E402
-from algo_harness import (BUCKET_MB, batch_indices, bus_bytes, digits, model,  # noqa: E402
+from algo_harness import (BUCKET_MB, batch_indices, digits, model,  # noqa: E402
                           param_groups, train)
 from commlib import accounting  # noqa: E402
 from commlib.algorithms import int4  # noqa: E402
