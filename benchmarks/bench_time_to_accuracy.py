@@ -330,6 +330,8 @@ def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
         nonlocal sent, bus, wall
         if background:   # no averaging round while the clock stands still
             ddp.algorithm.abort()
+        if algorithm == "streaming_diloco":   # its bytes belong to training, not to the
+            ddp.algorithm.wait_exchange()     # evaluation (its outer step stays due)
         counters = commlib.stats(reset=True)        # bytes of training since the last one
         sent += accounting.total(counters, "bytes")
         bus += accounting.total(counters, "bus_bytes")

@@ -137,8 +137,9 @@ def test_bytes_total_as_diloco_peak_one_fragment():
     streamed, _ = per_step_bus("streaming_diloco", sync_every=h, num_fragments=2)
     sizes = [sum(p.numel() for i, p in enumerate(model().parameters()) if i in idx)
              for idx in split_layers(list(model().named_parameters()), 2)]
-    assert sum(streamed) == sum(plain) > 0, (streamed, plain)
-    assert max(streamed) / max(plain) == pytest.approx(max(sizes) / sum(sizes), rel=1e-9)
+    # bus bytes are whole per call (2 (n-1)/n of the bytes, rounded): equal to 1e-3
+    assert sum(plain) > 0 and sum(streamed) == pytest.approx(sum(plain), rel=1e-3)
+    assert max(streamed) / max(plain) == pytest.approx(max(sizes) / sum(sizes), rel=1e-3)
     assert sum(1 for b in streamed if b) == 2 * sum(1 for b in plain if b)
 
 

@@ -214,6 +214,13 @@ class StreamingDiLoCo(DiLoCo):
                 self.write_weights(b, torch.lerp(g.detach(), local[k].to(g.dtype),
                                                  self.fragment_update_alpha))
 
+    def wait_exchange(self) -> None:
+        """Wait until the exchange in flight (if any) has finished on this rank; its outer
+        step is still taken at its iteration (e.g. so that byte counters read now include
+        it)."""
+        if self._inflight is not None:
+            self._inflight[3].result()
+
     @contextlib.contextmanager
     def parameters_averaging(self, ctx: Context) -> Iterator[None]:
         """An exchange in flight is finished (its outer step taken) before the average."""
