@@ -11,7 +11,6 @@ pytest.importorskip("sklearn")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-import broken_algorithms as broken  # noqa: E402
 from algo_harness import (BUCKET_MB, batch_indices, bus_bytes, digits, model,  # noqa: E402
                           param_groups, same_everywhere, train)
 from commlib.algorithms.diloco import DiLoCo  # noqa: E402
@@ -156,11 +155,9 @@ def test_diloco_converges_per_replica_with_one_hth_of_the_bytes():
         # outer steps after iterations 4, 8, ..., 56 (the 60th runs at the settling
         # forward, after the counters were read): 14 weight allreduces against 60
         assert abs(ratio - (59 // h) / 60) < 1e-9, ratio
-        for bad in (train(broken.SilentWeights(), steps=60),
-                    train(LocalOuterDiLoCo(sync_every=h, outer_lr=0.7, outer_momentum=0.5),
-                          steps=60)):
-            with pytest.raises(AssertionError):
-                check(bad)
+        with pytest.raises(AssertionError):    # negative control
+            check(train(LocalOuterDiLoCo(sync_every=h, outer_lr=0.7, outer_momentum=0.5),
+                        steps=60))
 
 
 def test_diloco_rejects_bad_arguments():

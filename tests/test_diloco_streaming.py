@@ -11,7 +11,6 @@ pytest.importorskip("sklearn")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-import broken_algorithms as broken  # noqa: E402
 from algo_harness import (BUCKET_MB, batch_indices, digits, model,  # noqa: E402
                           param_groups, train)
 from commlib import accounting  # noqa: E402
@@ -155,24 +154,23 @@ _ref = {}
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_streaming_diloco_converges_per_replica_quantized(quantize):
+def test_streaming_diloco_converges_per_replica_quantized():
+    """int8 without error feedback, int4 with it; negative control: fragment 0 never
+    synchronized (with int4)."""
     n = commlib.get_world_size()
     if not _ref:
         _ref.update(train("gradient_allreduce", steps=60))
     cfg = dict(sync_every=4, num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.0,
-               outer_lr=0.7, outer_momentum=0.5, quantize=quantize)
+               outer_lr=0.7, outer_momentum=0.5)
 
     def check(out):
         assert out["loss"] <= _ref["loss"] * 1.5 + 0.02, (out["losses"], _ref["loss"])
 
-    check(train("streaming_diloco", steps=60, **cfg))
-    check(train("streaming_diloco", steps=60, error_feedback=True, **cfg))
+    check(train("streaming_diloco", steps=60, quantize="int8", **cfg))
+    check(train("streaming_diloco", steps=60, quantize="int4", error_feedback=True, **cfg))
     if n > 1:
-        for bad in (train(broken.SilentWeights(), steps=60),
-                    train(DropFragmentStreaming(**cfg), steps=60)):
-            with pytest.raises(AssertionError):
-                check(bad)
+        with pytest.raises(AssertionError):
+            check(train(DropFragmentStreaming(quantize="int4", **cfg), steps=60))
 
 
 @pytest.mark.mpi

@@ -206,14 +206,14 @@ def harness_bytes_ratio(rank: int, rate: float) -> float:
 
 @pytest.mark.mpi
 def test_powersgd_converges_per_replica_and_sends_what_its_rank_implies():
-    import broken_algorithms as broken
     n = commlib.get_world_size()
     ref = train("gradient_allreduce", steps=60, count_from=2)
 
     def check(out):
         assert out["loss"] <= ref["loss"] * 1.3 + 0.02, (out["losses"], ref["loss"])
 
-    out = train("powersgd", steps=60, rank=2, start_iter=2, count_from=2)
+    # one bucket: a third of the (latency-bound) allreduces of the harness's three
+    out = train("powersgd", steps=60, rank=2, start_iter=2, count_from=2, bucket_cap_mb=1)
     check(out)
     assert same_everywhere(list(out["ddp"].module.parameters()))
     if n > 1:
@@ -221,10 +221,8 @@ def test_powersgd_converges_per_replica_and_sends_what_its_rank_implies():
         design = harness_bytes_ratio(2, 2.0)
         assert abs(ratio / design - 1) < 0.01, (ratio, design)
         assert design < 0.2
-        for bad in (train(broken.SilentGradients(), steps=60),
-                    train(LocalQPowerSGD(rank=2, start_iter=2), steps=60)):
-            with pytest.raises(AssertionError):
-                check(bad)
+        with pytest.raises(AssertionError):    # negative control
+            check(train(LocalQPowerSGD(rank=2, start_iter=2), steps=60, bucket_cap_mb=1))
 
 
 def test_powersgd_rejects_bad_arguments_as_torch_does():
