@@ -4,7 +4,7 @@ fragment at a time, at staggered iterations, each fragment's exchange overlapped
 inner steps that follow it.
 
 The parameters are split into ``num_fragments`` (F) fragments of whole layers (modules),
-contiguous in registration order and of about equal size. With ``sync_every`` = H (a
+contiguous in registration order, the largest as small as possible (:func:`split_layers`). With ``sync_every`` = H (a
 multiple of F) and ``fragment_sync_delay`` = tau (< H/F), fragment ``f``:
 
 * at the end of iterations ``t`` with ``(t + tau - f * H / F) % H == 0``: its
@@ -58,12 +58,14 @@ CHUNK = 2048   # elements per quantization chunk (its own min and max)
 
 def split_layers(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]:
     """Indices of ``named`` (registration order) in ``parts`` contiguous groups of whole
-    layers (parameters sharing a module prefix), of about equal element counts."""
+    layers (parameters sharing a module prefix) whose largest element count is the
+    smallest possible (the peak bytes of a fragment's exchange)."""
+    def owner(name: str) -> str:
+        return name.rsplit(".", 1)[0] if "." in name else name
+
     layers: list[list[int]] = []
     for i, (name, _) in enumerate(named):
-        owner = name.rsplit(".", 1)[0] if "." in name else name
-        if layers and (named[layers[-1][0]][0].rsplit(".", 1)[0]
-                       if "." in named[layers[-1][0]][0] else named[layers[-1][0]][0]) == owner:
+        if layers and owner(named[layers[-1][0]][0]) == owner(name):
             layers[-1].append(i)
         else:
             layers.append([i])
@@ -71,15 +73,25 @@ def split_layers(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list
         raise ValueError(f"streaming_diloco: num_fragments={parts} but the model has only "
                          f"{len(layers)} layers with trainable parameters")
     sizes = [sum(named[i][1].numel() for i in layer) for layer in layers]
-    total, groups, acc = sum(sizes), [[] for _ in range(parts)], 0
-    f = 0
-    for k, layer in enumerate(layers):
-        left = len(layers) - k            # layers still to place, this one included
-        if groups[f] and (acc >= total * (f + 1) / parts or left <= parts - 1 - f):
-            f += 1
-        groups[f].extend(layer)
-        acc += sizes[k]
-    return groups
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    n, inf = len(layers), float("inf")
+    # best[k][i]: the smallest largest part of the first i layers in k parts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(parts, 0, -1):
+        bounds.append((cut[k][i], i))
+        i = cut[k][i]
+    return [[t for layer in layers[a:b] for t in layer] for a, b in reversed(bounds)]
 
 
 @register("streaming_diloco")
