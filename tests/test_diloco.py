@@ -165,3 +165,24 @@ def test_diloco_rejects_bad_arguments():
                 dict(outer_momentum=1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DiLoCo(**bad)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm,kwargs", [
+    ("diloco", dict(sync_every=2)),
+    ("streaming_diloco", dict(sync_every=2, num_fragments=2, quantize="int4"))])
+def test_half_precision_weights_keep_float32_global_state(algorithm, kwargs):
+    """bfloat16 parameters (AMP-style low-precision weights): the global weights, the
+    pseudo-gradients and the outer momentum are float32; training stays finite and the
+    replicas agree right after an outer step (negative control: between outer steps they
+    do not)."""
+    n = commlib.get_world_size()
+    out = train(algorithm, steps=8, dtype=torch.bfloat16, bucket_cap_mb=0.0025, **kwargs)
+    algo = out["ddp"].algorithm
+    assert all(g.dtype == torch.float32 for g in algo._global)
+    assert all(torch.isfinite(p.float()).all() for p in out["ddp"].module.parameters())
+    if n > 1 and algorithm == "diloco":
+        assert same_everywhere(list(out["ddp"].module.parameters()))
+        apart = train(algorithm, steps=9, dtype=torch.bfloat16, bucket_cap_mb=0.0025,
+                      **kwargs)
+        assert not same_everywhere(list(apart["ddp"].module.parameters()))
