@@ -17,7 +17,8 @@ LAYERS = [
     {"watchdog", "communicator", "exits", "runtime"},
     {"primitives", "timeline", "topology"},
     {"algorithms"},
-    {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks"},
+    {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",
+     "horovod"},
     {"commlib", "examples", "info", "selftest", "run", "integrations", "__main__"},
 ]
 
