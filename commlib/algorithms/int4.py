@@ -1,11 +1,19 @@
 """4-bit min-max quantization and the allreduce that moves it (``streaming_diloco``'s
-``quantize="int4"``), written with torch operations (CPU and CUDA alike).
+``quantize="int4"``), CPU and CUDA alike.
 
-Codec: a flat float32 vector in chunks of ``chunk_size`` elements (the last one padded
-with its last value); per chunk its min ``lo`` and max ``hi`` (two float32) and one code
-``round((x - lo) / (hi - lo) * 15)`` in 0..15 per element, two codes per byte (element
-``2i`` in the low nibble). Decoding gives ``lo + code * (hi - lo) / 15``: an error of at
-most ``(hi - lo) / 30`` per element. A chunk holding NaN or Inf decodes to NaN entirely.
+Codec: a flat float32 vector in chunks of ``chunk_size`` elements (even; the last one
+padded with its last value); per chunk its min ``lo`` and max ``hi`` (two float32, ``-0.0``
+stored as ``+0.0``) and one code ``rint(((x - lo) * pre) * (15 / ((hi - lo) * pre)))`` in
+0..15 per element (``pre = 2**64`` for ranges under ``2**-64``, else 1; all codes 0 for a
+constant chunk), two codes per byte (element ``2i`` in the low nibble). Decoding gives
+``min(lo + code * ((hi - lo) / 15), hi)``: an error of at most ``(hi - lo) / 30`` per
+element plus rounding. A chunk holding NaN or Inf, or whose ``hi - lo`` overflows, is
+stored as ``lo = hi = NaN`` with codes 0 and decodes to NaN entirely.
+
+Two implementations give the same bytes: the package ``kernels`` (Numba, CPU and CUDA;
+layout ``minmax_int4``, whose sections are this format) wherever it runs, and torch
+operations otherwise (``impl="torch"``, e.g. on a GPU without ``numba-cuda``). On a GPU
+the decoded values may differ in the last bit where the compiler fuses the multiply-add.
 
 :func:`allreduce` averages in place with the scheme of the compressed allreduce
 (:mod:`commlib.primitives.compressed`): the input padded to ``n * P`` (``P`` = ``ceil(L /
@@ -25,6 +33,7 @@ import torch
 from ..primitives import allgather, alltoall
 
 LEVELS = 15
+IMPLS = (None, "torch", "kernels")
 
 
 def _chunked(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -44,32 +53,89 @@ def nbytes(length: int, chunk_size: int) -> int:
     return chunks * 8 + chunks * ((chunk_size + 1) // 2)
 
 
-def compress(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Each row of the 2-D ``x`` as ``nbytes(x.shape[1])`` uint8 (headers, then codes)."""
-    if chunk_size % 2:
-        raise ValueError(f"int4.compress: chunk_size must be even, got {chunk_size}")
-    c = _chunked(x.float(), chunk_size)
-    lo, hi = c.amin(dim=2, keepdim=True), c.amax(dim=2, keepdim=True)
-    bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+def _use_kernels(x: torch.Tensor, impl: str | None) -> bool:
+    """Whether ``impl`` (None: where they run) sends ``x`` through ``kernels``; imported
+    here, so that neither Numba nor its CUDA target loads before it is used."""
+    if impl not in IMPLS:
+        raise ValueError(f"int4: impl must be one of {IMPLS}, got {impl!r}")
+    if impl is not None:
+        return impl == "kernels"
+    if x.device.type not in ("cpu", "cuda"):
+        return False
+    try:
+        import kernels  # noqa: F401
+        if x.device.type == "cuda":
+            from kernels._cuda import load_cuda
+            load_cuda()
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+def _compress_torch(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    c = _chunked(x, chunk_size)
+    lo = c.amin(dim=2, keepdim=True) + 0.0
+    hi = c.amax(dim=2, keepdim=True) + 0.0
     span = hi - lo
-    scale = torch.where(span > 0, LEVELS / span, torch.zeros_like(span))
-    codes = torch.round((c - lo) * scale).clamp_(0, LEVELS)
-    codes = torch.where(bad | ~torch.isfinite(codes), torch.zeros_like(codes), codes)
+    bad = ~(torch.isfinite(lo) & torch.isfinite(hi) & torch.isfinite(span))
+    pre = torch.where(span < 2.0 ** -64, torch.full_like(span, 2.0 ** 64),
+                      torch.ones_like(span))
+    scale = torch.where(span > 0, LEVELS / (span * pre), torch.zeros_like(span))
+    codes = torch.round(((c - lo) * pre) * scale).clamp_(0, LEVELS)
+    codes = torch.where(bad, torch.zeros_like(codes), codes)
     codes = codes.to(torch.uint8).reshape(c.shape[0], c.shape[1], -1, 2)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).reshape(c.shape[0], -1)
-    lo = torch.where(bad, torch.full_like(lo, float("nan")), lo)
-    header = torch.cat([lo, hi], dim=2).reshape(c.shape[0], -1).contiguous()
+    nan = torch.full_like(lo, float("nan"))
+    header = torch.cat([torch.where(bad, nan, lo), torch.where(bad, nan, hi)], dim=2)
+    header = header.reshape(c.shape[0], -1).contiguous()
     return torch.cat([header.view(torch.uint8), packed], dim=1)
 
 
-def decompress(buf: torch.Tensor, length: int, chunk_size: int) -> torch.Tensor:
-    """Inverse of :func:`compress`: ``(rows, length)`` float32."""
+def compress(x: torch.Tensor, chunk_size: int, impl: str | None = None) -> torch.Tensor:
+    """Each row of the 2-D ``x`` as ``nbytes(x.shape[1])`` uint8 (headers, then codes), on
+    ``x``'s device; ``impl``: ``"kernels"``, ``"torch"`` or None (kernels where they run).
+    Both give the same bytes."""
+    if chunk_size % 2:
+        raise ValueError(f"int4.compress: chunk_size must be even, got {chunk_size}")
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"int4.compress: x must be 2-D with rows of >= 1 element, got "
+                         f"shape {tuple(x.shape)}")
+    x = x.float()
+    if not _use_kernels(x, impl):
+        return _compress_torch(x, chunk_size)
+    import kernels
+    rows, length = x.shape
+    size = kernels.compressed_nbytes(length, chunk_size, kernels.MINMAX_INT4)
+    full = torch.empty((rows, size), dtype=torch.uint8, device=x.device)
+    x = x.contiguous()
+    for r in range(rows):
+        kernels.quantize_minmax_int4(x[r], chunk_size, out=full[r], nonfinite="nan")
+    return full[:, 32:32 + nbytes(length, chunk_size)].contiguous()
+
+
+def decompress(buf: torch.Tensor, length: int, chunk_size: int,
+               impl: str | None = None) -> torch.Tensor:
+    """Inverse of :func:`compress`: ``(rows, length)`` float32 on ``buf``'s device."""
     rows, chunks = buf.shape[0], max(1, math.ceil(length / chunk_size))
-    header = buf[:, :chunks * 8].contiguous().view(torch.float32).reshape(rows, chunks, 2)
+    if _use_kernels(buf, impl):
+        import kernels
+        size = kernels.compressed_nbytes(length, chunk_size, kernels.MINMAX_INT4)
+        full = torch.zeros((rows, size), dtype=torch.uint8, device=buf.device)
+        full[:, :32] = torch.from_numpy(kernels.header_bytes(length, chunk_size)).to(
+            buf.device)
+        full[:, 32:32 + buf.shape[1]] = buf
+        out = torch.empty((rows, length), dtype=torch.float32, device=buf.device)
+        for r in range(rows):
+            kernels.dequantize_minmax_int4(full[r], out=out[r])
+        return out
+    # a fresh copy: a 1-row slice can be "contiguous" with a row stride not divisible by 4
+    header = buf.new_empty((rows, chunks * 8)).copy_(buf[:, :chunks * 8])
+    header = header.view(torch.float32).reshape(rows, chunks, 2)
     lo, hi = header[..., :1], header[..., 1:]
     packed = buf[:, chunks * 8:].reshape(rows, chunks, -1)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows, chunks, -1)
     values = lo + codes.float() * ((hi - lo) / LEVELS)
+    values = torch.where(values < hi, values, hi)  # as the kernels: NaN chunks give hi
     return values.reshape(rows, -1)[:, :length]
 
 
