@@ -47,6 +47,8 @@ CONFIGS = {
     "async_model_average": ("async_model_average", dict(sync_interval_ms=1, warmup_steps=2),
                             "sgd"),
     "async_no_warmup": ("async_model_average", dict(sync_interval_ms=1), "sgd"),
+    # rounds in steps, K=4: the round launched after iteration 3 in flight, due after 4
+    "async_steps": ("async_model_average", dict(sync_every_steps=2, warmup_steps=1), "sgd"),
     "d_kfac": ("d_kfac", KFAC, "sgd"),
     "dp_kfac": ("dp_kfac", KFAC, "sgd"),
     "diloco": ("diloco", dict(sync_every=3), "sgd"),                     # saved mid-period
@@ -67,7 +69,7 @@ TIMED = {"async_model_average", "async_no_warmup"}
 #: negative control: resumed without loading the algorithm state, these must differ
 NEEDS_STATE = {"qadam", "qadam_no_warmup", "decentralized_shift_one",
                "low_precision_decentralized", "local_sgd_due", "d_kfac", "dp_kfac",
-               "diloco", "diloco_due", "streaming_diloco", "streaming_diloco_int8", "powersgd",
+               "diloco", "diloco_due", "async_steps", "streaming_diloco", "streaming_diloco_int8", "powersgd",
                "powersgd_no_warm_start"}
 
 

@@ -85,6 +85,7 @@ class AsyncModelAverage(Algorithm):
         self.sync_every_steps = None if sync_every_steps is None else int(sync_every_steps)
         self._inflight: tuple[int, torch.Tensor, Any] | None = None  # (step, snapshot, job)
         self._steps_rounds = 0
+        self._pending_round = False  # a loaded queue holds a round not yet applied
         self.sync_interval_ms = float(sync_interval_ms)
         self.warmup_steps = int(warmup_steps)
         self.exchanges = GRADIENTS if self.warmup_steps > 0 else WEIGHTS
@@ -119,14 +120,18 @@ class AsyncModelAverage(Algorithm):
 
     # -- rounds in steps -------------------------------------------------------------------
     def after_iteration(self, ctx: Context) -> None:
-        if self.sync_every_steps is None or self.exchanges != WEIGHTS or not self._weights:
+        """Rounds in steps: keyed on ``ctx.step`` alone (not on the phase switch, which a
+        resumed run makes only at its first forward), so a resumed run does the same."""
+        if self.sync_every_steps is None or ctx.step <= self.warmup_steps:
             return
+        if not self._weights:
+            params = [(n, p) for n, p in ctx.named_parameters if p.requires_grad]
+            self._weights = build(params, cap_bytes=1 << 62)
         self._settle(ctx)
         if (ctx.step - self.warmup_steps) % self.sync_every_steps == 0:
             flat = torch.cat([pack(b) for b in self._weights])
             avg = flat.clone()
-            self._inflight = (ctx.step, flat,
-                              ctx.submit(_average, avg, ctx.group))
+            self._inflight = (ctx.step, flat, ctx.submit(_average, avg, ctx.group))
 
     def _settle(self, ctx: Context) -> None:
         """Finish the round in flight: its correction into ``_queued``, then into the
@@ -145,6 +150,9 @@ class AsyncModelAverage(Algorithm):
                 self._queued = torch.zeros_like(avg)
             self._queued.add_(avg.sub_(snapshot))
             self._steps_rounds += 1
+        elif self._pending_round:
+            self._steps_rounds += 1
+        self._pending_round = False
         self._fold_queued()
 
     def _snapshot(self) -> torch.Tensor:
@@ -242,7 +250,8 @@ class AsyncModelAverage(Algorithm):
                 queued.add_(avg.clone().sub_(snapshot))
             else:
                 queued = None if self._queued is None else self._queued.clone()
-            return {"queued": queued, "rounds": self._steps_rounds}
+            return {"queued": queued, "rounds": self._steps_rounds,
+                    "pending": self._inflight is not None or self._pending_round}
         if self._averager is None:
             return {"queued": self._queued}
         self._averager.release()  # left by an optimizer step that raised
@@ -251,11 +260,13 @@ class AsyncModelAverage(Algorithm):
 
     def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
         steps = self.sync_every_steps is not None
-        state.check_keys(where, saved, ("queued", "rounds") if steps else ("queued",))
+        state.check_keys(where, saved, ("queued", "rounds", "pending") if steps
+                         else ("queued",))
         queued = saved["queued"]
         if steps:
             self._inflight = None
             self._steps_rounds = int(saved["rounds"])
+            self._pending_round = bool(saved["pending"])
         params = [p for _, p in ctx.named_parameters if p.requires_grad]
         if queued is not None:
             state.check_tensor(where, "the queued correction", queued,
