@@ -48,7 +48,10 @@ from . import nesting
 from . import state as _state
 from .chunks import Chunk, detach_parameters, owned_chunks, plan, scope
 from .groups import resolve_group
+from .quantized import DEFAULT_BLOCK
 from .stream import FULLS, ChunkSchedule
+
+QUANTIZATIONS = (None, "int8")
 
 class ShardingStrategy(str, enum.Enum):
     """What is sharded across the ranks (torch FSDP's names)."""
@@ -105,6 +108,17 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     ``param_dtype`` (half the bytes gathered), reduce in ``reduce_dtype``, keep the shards
     and the optimizer in the parameters' dtype.
 
+    Compressed sharding (ZeRO++, see :mod:`commlib.sharded.quantized`): the master shards
+    and the optimizer stay in full precision; only what crosses the wire is quantized, in
+    min-max 8-bit blocks of ``quantization_block_size`` elements (one byte an element plus
+    8 bytes of ``(min, max)`` a block), each element within ``(max - min) / 510`` of its
+    block. ``weight_quantization="int8"`` (qwZ, FULL_SHARD only): every gather of a chunk
+    (forward and backward) sends the shard quantized; every rank decodes the same values,
+    so the replicas compute with identical weights (state dicts stay exact).
+    ``gradient_quantization="int8"`` (qgZ, FULL_SHARD or SHARD_GRAD_OP): a chunk's
+    gradient is reduce-scattered through one ``alltoall`` of quantized parts, decoded and
+    summed in float64. ``ValueError`` naming the argument for any other value.
+
     Two private communicators are released by :meth:`close` (also at garbage collection;
     MPI has about 2000: call ``close()`` when a wrapper is replaced).
     """
@@ -113,7 +127,9 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                  ShardingStrategy.FULL_SHARD, group: Any = None, *,
                  process_group: Any = None, chunk_size_mb: float = 4.0,
                  param_groups: list[dict] | None = None, mixed_precision: Any = None,
-                 sync_module_states: bool = True) -> None:
+                 sync_module_states: bool = True, weight_quantization: str | None = None,
+                 gradient_quantization: str | None = None,
+                 quantization_block_size: int = DEFAULT_BLOCK) -> None:
         super().__init__()
         self._closed = True   # until the communicators exist
         rank = runtime.get_rank()
@@ -131,6 +147,11 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         if not chunk_size_mb > 0:
             raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
                              f"'chunk_size_mb' must be > 0, got {chunk_size_mb!r}")
+        self._weight_block, self._grad_block = _quantization(
+            self.sharding_strategy, weight_quantization, gradient_quantization,
+            quantization_block_size, rank)
+        self.weight_quantization, self.gradient_quantization = (weight_quantization,
+                                                                gradient_quantization)
         self.mixed_precision = mixed_precision
         param_dtype = _dtype(mixed_precision, "param_dtype", rank)
         self._reduce_dtype = _dtype(mixed_precision, "reduce_dtype", rank) or param_dtype
@@ -426,8 +447,11 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             pass
 
     def extra_repr(self) -> str:
+        quant = "".join(f", {k}={v!r}" for k, v in (
+            ("weight_quantization", self.weight_quantization),
+            ("gradient_quantization", self.gradient_quantization)) if v)
         return (f"sharding_strategy={self.sharding_strategy.value}, chunks={len(self._chunks)}, "
-                f"rank={self.rank}, world_size={self.world_size}")
+                f"rank={self.rank}, world_size={self.world_size}{quant}")
 
 
 @torch.no_grad()
@@ -453,6 +477,28 @@ def _full_chunk(c: Chunk, t: torch.Tensor) -> torch.Tensor:
         return t.detach()
     return c.owner()._run(allgather, t.detach().contiguous(),
                           c.owner().process_group).reshape(-1)
+
+
+def _quantization(strategy: ShardingStrategy, weights: Any, grads: Any, block: Any,
+                  rank: int) -> tuple[int | None, int | None]:
+    """The block sizes of weight and gradient quantization (``None``: off), or
+    ``ValueError`` naming the argument."""
+    where = f"FullyShardedDataParallel (rank {rank}): argument"
+    for name, value in (("weight_quantization", weights), ("gradient_quantization", grads)):
+        if value not in QUANTIZATIONS:
+            raise ValueError(f"{where} '{name}' must be one of {list(QUANTIZATIONS)}, got "
+                             f"{value!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1 << 24:
+        raise ValueError(f"{where} 'quantization_block_size' must be an int in [1, 2**24], "
+                         f"got {block!r}")
+    if weights is not None and strategy is not ShardingStrategy.FULL_SHARD:
+        raise ValueError(f"{where} 'weight_quantization' needs sharding_strategy "
+                         f"FULL_SHARD (the gathered weights of {strategy.value} would "
+                         f"replace the full-precision master shard), got {strategy.value}")
+    if grads is not None and strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError(f"{where} 'gradient_quantization' needs a sharded strategy "
+                         f"(FULL_SHARD or SHARD_GRAD_OP), got NO_SHARD")
+    return (block if weights else None), (block if grads else None)
 
 
 def _dtype(mixed_precision: Any, name: str, rank: int) -> torch.dtype | None:

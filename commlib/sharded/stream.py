@@ -15,6 +15,7 @@ from torch import nn
 from ..primitives import allgather, allreduce, reduce_scatter
 from ..reduce_ops import ReduceOp
 from .chunks import Chunk
+from .quantized import quantized_reduce_scatter, start_allgather
 
 # id(chunk.full) -> chunk, for every live wrapper: a saved-tensor hook of any wrapper
 # (nested forwards) recognizes any wrapper's parameters
@@ -141,7 +142,13 @@ class ChunkSchedule:
             pool = self._recv_pool.setdefault((c.compute_dtype, c.device, c.padded), [])
             out = pool.pop() if pool else torch.empty(c.padded, dtype=c.compute_dtype,
                                                       device=c.device)
-        future = self._gather_engine.submit(allgather, send, self.process_group, True, out)
+        if self._weight_block and c.shard.is_floating_point() and not c.keep_full:
+            # qwZ: the master shard quantized (full precision in, one byte an element out)
+            future = start_allgather(self._gather_engine, c.shard.detach(),
+                                     self.process_group, self._weight_block, out)
+        else:
+            future = self._gather_engine.submit(allgather, send, self.process_group, True,
+                                                out)
         self._inflight[c.index] = (future, c.shard._version)
 
     def _gather(self, c: Chunk) -> None:
@@ -236,6 +243,10 @@ class ChunkSchedule:
             grad = grad.to(self._reduce_dtype)
         if c.shards == 1:
             return allreduce(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
+        if self._grad_block and grad.is_floating_point():
+            # qgZ: quantized parts through one alltoall, decoded and summed in float64
+            return quantized_reduce_scatter(grad.reshape(-1), self._reduce_group,
+                                            self._grad_block)
         return reduce_scatter(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
 
     def _end_backward(self) -> None:
