@@ -63,11 +63,17 @@ def chunk_flat(c, tensors):
     return out
 
 
-def excesses(steps=3):
+def nodes_of(n):
+    """Emulated node size for hpZ: 2 ranks a node where the world splits evenly, else one
+    node (COMMLIB_LOCAL_SIZE)."""
+    return 2 if n % 2 == 0 and n > 2 else n
+
+
+def excesses(steps=3, **kw):
     """Per step: (max excess of |used weight - master| over its bound, max excess of
     |gradient shard - exact mean| over its bound, used weights identical on all ranks).
     An excess <= 0 is within the bound."""
-    model = wrap(make_model(), weight_quantization="int8", gradient_quantization="int8")
+    model = wrap(make_model(), weight_quantization="int8", gradient_quantization="int8", **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     ref = make_model()
     refp = dict(ref.named_parameters())
@@ -127,8 +133,12 @@ def excesses(steps=3):
 
 
 @pytest.mark.mpi
-def test_every_step_within_quantization_bound(one_thread_per_rank):
-    for step, (w, g, same) in enumerate(excesses()):
+@pytest.mark.parametrize("secondary", [None, "node"])
+def test_every_step_within_quantization_bound(secondary, monkeypatch, one_thread_per_rank):
+    """qwZ + qgZ (and hpZ: the backward re-gathers inside the node must give the forward's
+    weights, or the gradient check fails)."""
+    monkeypatch.setattr(commlib.options, "local_size", nodes_of(commlib.get_world_size()))
+    for step, (w, g, same) in enumerate(excesses(secondary_shard=secondary)):
         assert same, f"step {step}: the replicas computed with different weights"
         assert w <= 0, f"step {step}: a used weight is {w:.3g} beyond its quantization bound"
         assert g <= 0, f"step {step}: a gradient is {g:.3g} beyond its quantization bound"
@@ -209,7 +219,10 @@ def _bytes_one_step(**kw):
     fsdp = commlib.FullyShardedDataParallel(model, "FULL_SHARD", chunk_size_mb=1056 * 4 / 2**20,
                                             quantization_block_size=128, **kw)
     x = torch.randn(6, 32)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.01)
     fsdp(x).sum().backward()          # warm-up: learns the first-use order
+    opt.step()                        # the shards change, as in training
+    opt.zero_grad()
     commlib.stats(reset=True)
     fsdp(x).sum().backward()
     stats = {op: (v["calls"], v["bytes"]) for op, v in commlib.stats(reset=True).items()}
@@ -241,6 +254,72 @@ def test_bytes_per_step_against_full_shard(one_thread_per_rank):
               f"alltoall {n * wire} B")
 
 
+def _train_exact(steps, broken=False, **kw):
+    model = wrap(make_model(), **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    gather = model._gather
+    if broken:   # the node's copy taken one element off: backward sees other weights
+        def shifted(c):
+            gather(c)
+            if model._in_forward and c.index in model._secondary:
+                t, v = model._secondary[c.index]
+                model._secondary[c.index] = (t.roll(1), v)
+        model._gather = shifted
+    states = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_fn(model, mine(x), mine(y)).backward()
+        opt.step()
+        states.append(torch.cat([v.reshape(-1) for v in model.state_dict().values()]))
+    secondary = model.memory_bytes()["secondary"]
+    model.close()
+    return states, secondary
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("broken", [False, True])
+def test_secondary_shard_is_exact(broken, monkeypatch, one_thread_per_rank):
+    """hpZ alone changes no value: bitwise FULL_SHARD every step (negative control: a
+    node copy one element off must not be)."""
+    n = commlib.get_world_size()
+    if broken and n == 1:
+        pytest.skip("one rank: no chunk is sharded")
+    m = nodes_of(n)
+    monkeypatch.setattr(commlib.options, "local_size", m)
+    ref, _ = _train_exact(3)
+    got, secondary = _train_exact(3, broken, secondary_shard="node")
+    equal = [bool(torch.equal(a, b)) for a, b in zip(ref, got)]
+    if broken:
+        assert not all(equal), "a shifted node copy trained like FULL_SHARD"
+        return
+    assert all(equal), f"hpZ differs from FULL_SHARD at steps {equal}"
+    model = wrap(make_model())
+    expect = sum(c.padded // m * 8 for c in model._chunks if c.shards > 1)
+    model.close()
+    assert secondary <= expect and (secondary > 0 or n == 1)
+
+
+@pytest.mark.mpi
+def test_secondary_shard_bytes(monkeypatch, one_thread_per_rank):
+    """The backward re-gathers of hpZ run on the node (m ranks, P = padded / m a rank)."""
+    n = commlib.get_world_size()
+    if n == 1:
+        pytest.skip("one rank: nothing is sent")
+    m = nodes_of(n)
+    monkeypatch.setattr(commlib.options, "local_size", m)
+    base, S = _bytes_one_step()
+    hp, _ = _bytes_one_step(secondary_shard="node")
+    P = S * n // m
+    calls = base["allgather"][0]
+    forward = 4   # one gather of each of the 4 chunks, the rest are backward's
+    assert hp == {"allgather": (calls, forward * 4 * S + (calls - forward) * 4 * P),
+                  "reduce_scatter": base["reduce_scatter"]}
+    if commlib.get_rank() == 0:
+        print(f"\nhpZ n={n} m={m}: {calls - forward} backward gathers of {4 * S} B over "
+              f"{n} ranks -> {4 * P} B inside the node")
+
+
 def test_bad_arguments():
     for kw, name in ((dict(weight_quantization="int4"), "weight_quantization"),
                      (dict(gradient_quantization="fp8"), "gradient_quantization"),
@@ -250,7 +329,10 @@ def test_bad_arguments():
                      (dict(sharding_strategy="SHARD_GRAD_OP", weight_quantization="int8"),
                       "weight_quantization"),
                      (dict(sharding_strategy="NO_SHARD", gradient_quantization="int8"),
-                      "gradient_quantization")):
+                      "gradient_quantization"),
+                     (dict(secondary_shard="rack"), "secondary_shard"),
+                     (dict(sharding_strategy="SHARD_GRAD_OP", secondary_shard="node"),
+                      "secondary_shard")):
         with pytest.raises(ValueError, match=name):
             commlib.FullyShardedDataParallel(make_model(), **kw)
     # SHARD_GRAD_OP takes qgZ

@@ -30,6 +30,8 @@ holds its averaged gradient.
 from __future__ import annotations
 
 import contextlib
+import socket
+import zlib
 import dataclasses
 import enum
 import warnings
@@ -42,7 +44,8 @@ from torch import nn
 
 from .. import runtime
 from ..ddp.engine import Engine
-from ..primitives import allgather, allreduce, broadcast, new_group
+from ..options import options
+from ..primitives import allgather, allreduce, broadcast, group_from_ranks, new_group
 from ..reduce_ops import ReduceOp
 from . import nesting
 from . import state as _state
@@ -117,7 +120,13 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     so the replicas compute with identical weights (state dicts stay exact).
     ``gradient_quantization="int8"`` (qgZ, FULL_SHARD or SHARD_GRAD_OP): a chunk's
     gradient is reduce-scattered through one ``alltoall`` of quantized parts, decoded and
-    summed in float64. ``ValueError`` naming the argument for any other value.
+    summed in float64. ``secondary_shard="node"`` (hpZ, FULL_SHARD only): each forward
+    gather also leaves this rank its ``1/m`` slice of the chunk among the ``m`` ranks of
+    its node (``COMMLIB_LOCAL_SIZE`` blocks, else the host; nodes of equal size), so the
+    backward re-gathers run inside the node only, on exactly the forward's values; costs
+    ``padded / m`` elements of the compute dtype per chunk, held from a chunk's forward
+    gather until the shard changes (``memory_bytes()["secondary"]``). ``ValueError``
+    naming the argument for any other value.
 
     Two private communicators are released by :meth:`close` (also at garbage collection;
     MPI has about 2000: call ``close()`` when a wrapper is replaced).
@@ -129,7 +138,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                  param_groups: list[dict] | None = None, mixed_precision: Any = None,
                  sync_module_states: bool = True, weight_quantization: str | None = None,
                  gradient_quantization: str | None = None,
-                 quantization_block_size: int = DEFAULT_BLOCK) -> None:
+                 quantization_block_size: int = DEFAULT_BLOCK,
+                 secondary_shard: str | None = None) -> None:
         super().__init__()
         self._closed = True   # until the communicators exist
         rank = runtime.get_rank()
@@ -152,6 +162,16 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             quantization_block_size, rank)
         self.weight_quantization, self.gradient_quantization = (weight_quantization,
                                                                 gradient_quantization)
+        if secondary_shard not in (None, "node"):
+            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
+                             f"'secondary_shard' must be None or 'node', got "
+                             f"{secondary_shard!r}")
+        if secondary_shard and self.sharding_strategy is not ShardingStrategy.FULL_SHARD:
+            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
+                             f"'secondary_shard' needs sharding_strategy FULL_SHARD, got "
+                             f"{self.sharding_strategy.value}")
+        self.secondary_shard = secondary_shard
+        self._node_group = None
         self.mixed_precision = mixed_precision
         param_dtype = _dtype(mixed_precision, "param_dtype", rank)
         self._reduce_dtype = _dtype(mixed_precision, "reduce_dtype", rank) or param_dtype
@@ -173,6 +193,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         self._closed = False
         self.rank, self.world_size = self.process_group.rank, self.process_group.size
         try:
+            if secondary_shard:
+                self._node_group = _node_group(self.process_group)
             self._agree(nesting.refusal(inside, nested, self.process_group.ranks))
             self._setup(inside, nested, param_groups, param_dtype, buffer_dtype,
                         chunk_size_mb, sync_module_states)
@@ -180,6 +202,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             self._closed = True
             self.process_group.free()
             self._reduce_group.free()
+            if self._node_group is not None:
+                self._node_group.free()
             raise
 
     def _agree(self, refusal: str | None) -> None:
@@ -246,6 +270,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         # caller computes), in the order the caller requests them, identical on every rank.
         self._gather_engine = Engine(threaded, name="commlib-fsdp-gather")
         self._inflight: dict[int, tuple[Any, int]] = {}   # chunk -> (future, shard version)
+        # hpZ: chunk -> (this rank's slice of the node's copy, shard version it was made at)
+        self._secondary: dict[int, tuple[torch.Tensor, int]] = {}
         self._recv_pool: dict[tuple, list[torch.Tensor]] = {}
         self.prefetch = 1 if self._full_shard else len(chunks)
         self._order: list[int] | None = None   # chunks in first-use order (first forward)
@@ -389,7 +415,9 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                     for c in self._chunks if c.shard.grad is not None)
         grads += sum(c.full.grad.numel() * c.full.grad.element_size()
                      for c in self._chunks if c.full.grad is not None)
-        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1]}
+        secondary = sum(t.numel() * t.element_size() for t, _ in self._secondary.values())
+        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1],
+               "secondary": secondary}
         if reset_peak:
             self._gathered_bytes[1] = self._gathered_bytes[0]
         return out
@@ -439,6 +467,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                 return   # a thread still inside MPI (at exit): leave its communicator be
         self.process_group.free()
         self._reduce_group.free()
+        if self._node_group is not None:
+            self._node_group.free()
 
     def __del__(self) -> None:
         try:
@@ -477,6 +507,22 @@ def _full_chunk(c: Chunk, t: torch.Tensor) -> torch.Tensor:
         return t.detach()
     return c.owner()._run(allgather, t.detach().contiguous(),
                           c.owner().process_group).reshape(-1)
+
+
+def _node_group(group: Any) -> Any:
+    """hpZ: the ranks of ``group`` on this rank's node (``COMMLIB_LOCAL_SIZE`` blocks of
+    consecutive world ranks when set, else the host), as a group of their own; collective
+    over ``group``. ``ValueError`` on every rank when the nodes differ in size."""
+    k = options.local_size
+    me = group.ranks[group.rank]
+    key = me // k if k else zlib.crc32(socket.gethostname().encode())
+    keys = allgather(np.array([key], dtype=np.int64), group).reshape(-1)
+    sizes = {int((keys == v).sum()) for v in keys}
+    if len(sizes) != 1:
+        raise ValueError(f"FullyShardedDataParallel (rank {group.rank}): argument "
+                         f"'secondary_shard'='node' needs nodes of equal size in the group, "
+                         f"got {sorted(sizes)} ranks per node")
+    return group_from_ranks([w for w, v in zip(group.ranks, keys) if v == key], group)
 
 
 def _quantization(strategy: ShardingStrategy, weights: Any, grads: Any, block: Any,

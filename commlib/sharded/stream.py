@@ -142,7 +142,13 @@ class ChunkSchedule:
             pool = self._recv_pool.setdefault((c.compute_dtype, c.device, c.padded), [])
             out = pool.pop() if pool else torch.empty(c.padded, dtype=c.compute_dtype,
                                                       device=c.device)
-        if self._weight_block and c.shard.is_floating_point() and not c.keep_full:
+        secondary = self._secondary.get(c.index)
+        if secondary is not None and secondary[1] == c.shard._version:
+            # hpZ: this node's copy of the chunk (what the forward's gather decoded), from
+            # the node's ranks only
+            future = self._gather_engine.submit(allgather, secondary[0], self._node_group,
+                                                True, out)
+        elif self._weight_block and c.shard.is_floating_point() and not c.keep_full:
             # qwZ: the master shard quantized (full precision in, one byte an element out)
             future = start_allgather(self._gather_engine, c.shard.detach(),
                                      self.process_group, self._weight_block, out)
@@ -166,6 +172,12 @@ class ChunkSchedule:
             received = item[0].result().result()
             if not c.keep_full:
                 c.fill(received)
+                if self._node_group is not None and self._in_forward:
+                    # hpZ: keep this rank's slice of the node's copy for backward
+                    m, local = self._node_group.size, self._node_group.rank
+                    part = c.padded // m
+                    self._secondary[c.index] = (
+                        received[local * part:(local + 1) * part].clone(), c.shard._version)
                 self._recv_pool[(c.compute_dtype, c.device, c.padded)].append(received)
         elif c.cast:
             c.fill(c.shard.detach())
