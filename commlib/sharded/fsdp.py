@@ -30,8 +30,6 @@ holds its averaged gradient.
 from __future__ import annotations
 
 import contextlib
-import socket
-import zlib
 import dataclasses
 import enum
 import warnings
@@ -44,17 +42,14 @@ from torch import nn
 
 from .. import runtime
 from ..ddp.engine import Engine
-from ..options import options
-from ..primitives import allgather, allreduce, broadcast, group_from_ranks, new_group
+from ..primitives import allgather, allreduce, broadcast, new_group
 from ..reduce_ops import ReduceOp
 from . import nesting
 from . import state as _state
 from .chunks import Chunk, detach_parameters, owned_chunks, plan, scope
 from .groups import resolve_group
-from .quantized import DEFAULT_BLOCK
+from .quantized import DEFAULT_BLOCK, node_group, quantization_blocks
 from .stream import FULLS, ChunkSchedule
-
-QUANTIZATIONS = (None, "int8")
 
 class ShardingStrategy(str, enum.Enum):
     """What is sharded across the ranks (torch FSDP's names)."""
@@ -157,8 +152,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         if not chunk_size_mb > 0:
             raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
                              f"'chunk_size_mb' must be > 0, got {chunk_size_mb!r}")
-        self._weight_block, self._grad_block = _quantization(
-            self.sharding_strategy, weight_quantization, gradient_quantization,
+        self._weight_block, self._grad_block = quantization_blocks(
+            self.sharding_strategy.value, weight_quantization, gradient_quantization,
             quantization_block_size, rank)
         self.weight_quantization, self.gradient_quantization = (weight_quantization,
                                                                 gradient_quantization)
@@ -194,7 +189,7 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         self.rank, self.world_size = self.process_group.rank, self.process_group.size
         try:
             if secondary_shard:
-                self._node_group = _node_group(self.process_group)
+                self._node_group = node_group(self.process_group)
             self._agree(nesting.refusal(inside, nested, self.process_group.ranks))
             self._setup(inside, nested, param_groups, param_dtype, buffer_dtype,
                         chunk_size_mb, sync_module_states)
@@ -507,44 +502,6 @@ def _full_chunk(c: Chunk, t: torch.Tensor) -> torch.Tensor:
         return t.detach()
     return c.owner()._run(allgather, t.detach().contiguous(),
                           c.owner().process_group).reshape(-1)
-
-
-def _node_group(group: Any) -> Any:
-    """hpZ: the ranks of ``group`` on this rank's node (``COMMLIB_LOCAL_SIZE`` blocks of
-    consecutive world ranks when set, else the host), as a group of their own; collective
-    over ``group``. ``ValueError`` on every rank when the nodes differ in size."""
-    k = options.local_size
-    me = group.ranks[group.rank]
-    key = me // k if k else zlib.crc32(socket.gethostname().encode())
-    keys = allgather(np.array([key], dtype=np.int64), group).reshape(-1)
-    sizes = {int((keys == v).sum()) for v in keys}
-    if len(sizes) != 1:
-        raise ValueError(f"FullyShardedDataParallel (rank {group.rank}): argument "
-                         f"'secondary_shard'='node' needs nodes of equal size in the group, "
-                         f"got {sorted(sizes)} ranks per node")
-    return group_from_ranks([w for w, v in zip(group.ranks, keys) if v == key], group)
-
-
-def _quantization(strategy: ShardingStrategy, weights: Any, grads: Any, block: Any,
-                  rank: int) -> tuple[int | None, int | None]:
-    """The block sizes of weight and gradient quantization (``None``: off), or
-    ``ValueError`` naming the argument."""
-    where = f"FullyShardedDataParallel (rank {rank}): argument"
-    for name, value in (("weight_quantization", weights), ("gradient_quantization", grads)):
-        if value not in QUANTIZATIONS:
-            raise ValueError(f"{where} '{name}' must be one of {list(QUANTIZATIONS)}, got "
-                             f"{value!r}")
-    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1 << 24:
-        raise ValueError(f"{where} 'quantization_block_size' must be an int in [1, 2**24], "
-                         f"got {block!r}")
-    if weights is not None and strategy is not ShardingStrategy.FULL_SHARD:
-        raise ValueError(f"{where} 'weight_quantization' needs sharding_strategy "
-                         f"FULL_SHARD (the gathered weights of {strategy.value} would "
-                         f"replace the full-precision master shard), got {strategy.value}")
-    if grads is not None and strategy is ShardingStrategy.NO_SHARD:
-        raise ValueError(f"{where} 'gradient_quantization' needs a sharded strategy "
-                         f"(FULL_SHARD or SHARD_GRAD_OP), got NO_SHARD")
-    return (block if weights else None), (block if grads else None)
 
 
 def _dtype(mixed_precision: Any, name: str, rank: int) -> torch.dtype | None:

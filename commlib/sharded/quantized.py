@@ -18,14 +18,20 @@ so the error is at most ``(hi - lo) / 510`` (plus float32 rounding, a few ulps o
 """
 from __future__ import annotations
 
+import socket
+import zlib
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..primitives import allgather, alltoall
+from ..options import options
+from ..primitives import allgather, alltoall, group_from_ranks
 
 #: elements per quantization block (DeepSpeed's ZeRO++ default group size is 2048 too)
 DEFAULT_BLOCK = 2048
+#: the values of ``weight_quantization`` and ``gradient_quantization``
+QUANTIZATIONS = (None, "int8")
 
 
 def _kernels() -> Any:
@@ -146,3 +152,41 @@ def quantized_reduce_scatter(full: torch.Tensor, group: Any, block: int,
     if average:
         acc /= n
     return acc.to(full.dtype)
+
+
+def node_group(group: Any) -> Any:
+    """hpZ: the ranks of ``group`` on this rank's node (``COMMLIB_LOCAL_SIZE`` blocks of
+    consecutive world ranks when set, else the host), as a group of their own; collective
+    over ``group``. ``ValueError`` on every rank when the nodes differ in size."""
+    k = options.local_size
+    me = group.ranks[group.rank]
+    key = me // k if k else zlib.crc32(socket.gethostname().encode())
+    keys = allgather(np.array([key], dtype=np.int64), group).reshape(-1)
+    sizes = {int((keys == v).sum()) for v in keys}
+    if len(sizes) != 1:
+        raise ValueError(f"FullyShardedDataParallel (rank {group.rank}): argument "
+                         f"'secondary_shard'='node' needs nodes of equal size in the group, "
+                         f"got {sorted(sizes)} ranks per node")
+    return group_from_ranks([w for w, v in zip(group.ranks, keys) if v == key], group)
+
+
+def quantization_blocks(strategy: str, weights: Any, grads: Any, block: Any,
+                  rank: int) -> tuple[int | None, int | None]:
+    """The block sizes of weight and gradient quantization (``None``: off), or
+    ``ValueError`` naming the argument."""
+    where = f"FullyShardedDataParallel (rank {rank}): argument"
+    for name, value in (("weight_quantization", weights), ("gradient_quantization", grads)):
+        if value not in QUANTIZATIONS:
+            raise ValueError(f"{where} '{name}' must be one of {list(QUANTIZATIONS)}, got "
+                             f"{value!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1 << 24:
+        raise ValueError(f"{where} 'quantization_block_size' must be an int in [1, 2**24], "
+                         f"got {block!r}")
+    if weights is not None and strategy != "FULL_SHARD":
+        raise ValueError(f"{where} 'weight_quantization' needs sharding_strategy "
+                         f"FULL_SHARD (the gathered weights of {strategy} would "
+                         f"replace the full-precision master shard), got {strategy}")
+    if grads is not None and strategy == "NO_SHARD":
+        raise ValueError(f"{where} 'gradient_quantization' needs a sharded strategy "
+                         f"(FULL_SHARD or SHARD_GRAD_OP), got NO_SHARD")
+    return (block if weights else None), (block if grads else None)
