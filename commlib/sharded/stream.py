@@ -307,5 +307,5 @@ def cast(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(cast(o, dtype) for o in obj)
     if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
+        return {k: cast(v, dtype) for k, v in obj.items()}
     return obj
