@@ -14,10 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 LAYERS = [
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
      "mpi_env", "shutdown", "shm"},
-    {"watchdog", "communicator", "exits", "runtime"},
+    {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "agreement"},
     {"primitives", "timeline", "topology"},
     {"algorithms"},
-    {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks"},
+    {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",
+     "elastic"},
     {"commlib", "examples", "info", "selftest"},
 ]
 
