@@ -267,7 +267,7 @@ def _blocking(name: str, inonblocking: str) -> Callable:
 _NONBLOCKING = ("Iallreduce", "Ibcast", "Ibarrier", "Iallgather", "Iallgatherv", "Ireduce",
                 "Ireduce_scatter", "Ireduce_scatter_block", "Igather", "Igatherv",
                 "Iscatter", "Iscatterv", "Ialltoall", "Ialltoallv", "Isend", "Irecv",
-                "Isendrecv", "Issend")
+                "Issend")
 _BLOCKING = ("Allreduce", "Bcast", "Barrier", "Allgather", "Allgatherv", "Reduce",
              "Reduce_scatter", "Reduce_scatter_block", "Gather", "Gatherv", "Scatter",
              "Scatterv", "Alltoall", "Alltoallv", "Send", "Ssend")
@@ -365,8 +365,11 @@ class FTComm(MPI.Intracomm):
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
                  status: Any = None) -> None:
-        req = MPI.Intracomm.Isendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag)
-        FTRequest(req, self, (sendbuf, recvbuf), "Sendrecv").Wait(status)
+        # Not MPI_Isendrecv: MPICH 5.0.2 leaves its status' count at 0.
+        recv = MPI.Intracomm.Irecv(self, recvbuf, source, recvtag)
+        send = MPI.Intracomm.Isend(self, sendbuf, dest, sendtag)
+        FTRequest(send, self, sendbuf, "Sendrecv").Wait()
+        FTRequest(recv, self, recvbuf, "Sendrecv").Wait(status)
 
     # -- collectives of Python objects (used for metadata) --------------------------------
     def allgather(self, obj: Any) -> list[Any]:
@@ -408,8 +411,8 @@ def adopt(comm: Any, known_dead: Iterable[int] | None = None, name: str = "") ->
     """``comm`` (an ``mpi4py`` intracommunicator, not freed: the same MPI handle) as an
     :class:`FTComm`; ``known_dead``: ranks dead before it was made (default: those known
     now)."""
-    if isinstance(comm, FTComm):
-        return comm
+    if isinstance(comm, FTComm):  # mpi4py makes the results of Dup etc. of our type
+        return comm if "watcher" in comm.__dict__ else comm.ft_init(known_dead, name)
     return FTComm(comm).ft_init(known_dead, name)
 
 

@@ -1,0 +1,194 @@
+"""Elastic training under failures, and its reference; driven by test_elastic.py and
+benchmarks/bench_faults.py.
+
+Usage::
+
+    python elastic_train_program.py OUTDIR [--algorithm A] [--steps N] [--fault F]
+        [--victims R1[,R2]] [--at K1[,K2]] [--skip-agreement] [--reference C1[,C2]]
+        [--width W] [--no-ft]
+
+A float64 MLP trained with SGD with momentum through ``commlib.elastic`` (``State``,
+``run``, ``ElasticSampler``: the global batch of 24 samples of each step is split over the
+ranks alive). Fault ``F`` on victim ``R_i`` at step ``K_i``:
+
+``kill``     SIGKILL in the middle of the step's backward (some gradient buckets on their
+             way, others not yet)
+``exit``     ``os._exit(7)`` at the same point
+``sysexit``  an ordinary ``sys.exit(0)`` between steps
+``lag``      the victim is killed right after its step's exchange; survivor rank 1 then
+             behaves as if its own exchange had failed (raises ``PeerFailure`` before its
+             optimizer step) while the others apply the step: the survivors are one step
+             apart, which only the step agreement can repair (the other faults produce it
+             by chance)
+``none``     no fault
+
+``--reference C1[,C2]``: no fault tolerance, no failure: the same training, with the
+victims leaving voluntarily after the committed steps ``C_i`` and the others going on
+over a group of the remaining ranks (made with ``new_group``), rewrapped as ``run`` does:
+the run the survivors must match exactly.
+
+Every rank writes ``OUTDIR/shm{r}.json`` (its MPICH segments); every rank that finishes
+writes ``OUTDIR/rank{r}.json``: final step, the state's ledger (the group size that applied
+each step), its recoveries (agreed values, seconds), the parameters (float64 bytes, hex) and
+timestamps of the fault (written by the victim as ``fault{r}.json``) and of every step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+import commlib
+from commlib import elastic
+from commlib.elastic import state as state_module
+from elastic_common import write_shm
+
+parser = argparse.ArgumentParser()
+parser.add_argument("outdir")
+parser.add_argument("--algorithm", default="gradient_allreduce")
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--fault", default="none")
+parser.add_argument("--victims", default="3")
+parser.add_argument("--at", default="12")
+parser.add_argument("--skip-agreement", action="store_true")
+parser.add_argument("--reference", default="")
+parser.add_argument("--width", type=int, default=32)
+parser.add_argument("--no-ft", action="store_true")
+parser.add_argument("--bucket-mb", type=float, default=0.005)
+args = parser.parse_args()
+
+torch.set_default_dtype(torch.float64)
+torch.set_num_threads(1)
+reference = [int(c) for c in args.reference.split(",") if c]
+commlib.init(fault_tolerant=not (reference or args.no_ft))
+me = commlib.get_rank()
+n0 = commlib.get_world_size()
+write_shm(args.outdir, me)
+victims = [int(v) for v in args.victims.split(",")]
+at = [int(k) for k in args.at.split(",")]
+plan = dict(zip(victims, at))
+state_module._SKIP_AGREEMENT = args.skip_agreement
+
+KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
+          "local_sgd": {"sync_every": 4}}
+BATCH, LENGTH = 24, 24 * 40
+g = torch.Generator().manual_seed(1234)
+X = torch.randn(LENGTH, 16, generator=g)
+Y = torch.randn(LENGTH, 4, generator=g)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    w = args.width
+    return torch.nn.Sequential(torch.nn.Linear(16, w), torch.nn.Tanh(),
+                               torch.nn.Linear(w, w), torch.nn.Tanh(),
+                               torch.nn.Linear(w, 4))
+
+
+model = make_model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+sampler = elastic.ElasticSampler(LENGTH, BATCH, seed=7)
+state = elastic.State(model, optimizer, sampler, ledger=[])
+times: list[tuple[int, float]] = []
+fault_hook: list = []
+
+
+def record_fault(kind: str) -> None:
+    with open(os.path.join(args.outdir, f"fault{me}.json"), "w") as f:
+        json.dump({"rank": me, "kind": kind, "time": time.time(), "step": state.step}, f)
+
+
+def die(kind: str) -> None:
+    record_fault(kind)
+    if kind in ("kill", "lag"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit":
+        os._exit(7)
+    elif kind == "sysexit":
+        sys.exit(0)
+
+
+def wrap(st: elastic.State) -> commlib.DistributedDataParallel:
+    return st.wrap(algorithm=args.algorithm, bucket_cap_mb=args.bucket_mb,
+                   **KWARGS.get(args.algorithm, {}))
+
+
+def one_step(st: elastic.State, ddp) -> None:
+    step, group = st.step, st.group
+    idx = sampler.indices(step, group.rank, group.size)
+    fault = plan.get(me) == step and args.fault
+    out = ddp(X[idx])
+    if fault in ("kill", "exit"):
+        hidden = out.grad_fn.next_functions[1][0]  # dies mid-backward, buckets in flight
+        hidden.register_hook(lambda *a: die(args.fault))
+    loss = torch.nn.functional.mse_loss(out, Y[idx])
+    loss.backward()
+    if fault == "lag":
+        die("lag")
+    if args.fault == "lag" and me == 1 and step == plan.get(victims[0]) and \
+            not getattr(st, "_lagged", False):
+        st.__dict__["_lagged"] = True
+        while victims[0] not in commlib.fault_tolerance.dead():
+            time.sleep(0.005)
+        raise commlib.PeerFailure("injected: this rank acts as if its exchange failed",
+                                  failed=[victims[0]])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    st.ledger.append([step + 1, group.size])
+    st.commit()
+    times.append((st.step, time.time()))
+
+
+def train(st: elastic.State) -> None:
+    ddp = wrap(st)
+    while st.step < args.steps:
+        if plan.get(me) == st.step and args.fault == "sysexit":
+            die("sysexit")
+        one_step(st, ddp)
+
+
+def train_reference() -> None:
+    """The same steps without faults; the victims leave after the agreed steps."""
+    state.__dict__["group"] = commlib.world()
+    ddp = wrap(state)
+    alive = list(range(n0))
+    marks = list(zip(reference, victims))
+    while state.step < args.steps:
+        while marks and state.step == marks[0][0]:
+            _, victim = marks.pop(0)
+            if args.algorithm == "local_sgd":
+                ddp._start_iteration(reset=False)  # the average of the last step, as run()
+            algo = ddp.algorithm.state_dict()
+            alive.remove(victim)
+            group = commlib.new_group(alive, parent=state.group)
+            if me == victim:
+                return
+            state.close_wrapper()
+            state.drop_gradients()
+            state.__dict__["group"] = group
+            if args.algorithm != "gradient_allreduce":
+                state.__dict__["_algorithm_state"] = algo
+            ddp = wrap(state)
+        one_step(state, ddp)
+
+
+if reference:
+    train_reference()
+    if me in victims:
+        sys.exit(0)
+else:
+    elastic.run(train, state)
+
+params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+with open(os.path.join(args.outdir, f"rank{me}.json"), "w") as f:
+    json.dump({"rank": me, "step": state.step, "ledger": state.ledger,
+               "recoveries": [{k: (v if k != "values" else {str(a): b for a, b in v.items()})
+                               for k, v in r.items()} for r in state.recoveries],
+               "params": params.numpy().tobytes().hex(), "times": times,
+               "size": state.group.size}, f)
