@@ -37,8 +37,9 @@ code can fail:
   exception ends only its rank (status 1, traceback printed); a waiting rank never aborts
   for a rank that left: its collectives raise :class:`~commlib.errors.PeerFailure`
   :data:`LEFT_GRACE_S` seconds after the leaver's exit message (or once the launcher reports
-  it dead), and the survivors' agreement counts it dead at once. At exit a rank sends its exit message, waits (status 0
-  only) up to ``COMMLIB_EXIT_WINDOW`` seconds for the ranks still alive to leave too, so
+  it dead), and the survivors' agreement counts it dead at once. At exit a rank sends its exit message to the living
+  (no collective: nothing may be sent to a dead rank, see :mod:`commlib.fault_tolerance`),
+  waits (status 0 only) up to ``COMMLIB_EXIT_WINDOW`` seconds for them to leave too, so
   that none is left waiting for messages of a collective it finished, and then leaves through
   ``os._exit`` with its status after flushing ``sys.stdout``/``sys.stderr`` and ``logging``:
   never ``MPI_Finalize``, which waits forever for a dead peer. ``atexit`` handlers registered
@@ -295,15 +296,14 @@ def _leave(ex: _Exits, status: int, how: str) -> None:
     comm = ex.comm
     me, n = comm.Get_rank(), comm.Get_size()
     gone = fault_tolerance.dead()
+    # Messages to the living only, and no collective: nothing may be sent to a dead rank
+    # (see commlib.fault_tolerance).
     sends = [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n)
              if r != me and r not in gone]
-    barrier = comm.Ibarrier()
     start = time.monotonic()
     limit = float(options.exit_window) if status == 0 else SEND_GRACE_S
     while time.monotonic() - start < limit:
         ex.drain()
-        if barrier.Test():
-            break
         gone = fault_tolerance.dead()
         if status != 0 and all(s.Test() for s in sends):
             break

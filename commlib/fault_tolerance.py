@@ -26,6 +26,13 @@ ch4), and no MPI operation ever completes with an error once a peer is dead: a b
   no survivor is left waiting for another that went into recovery), and
   :func:`commlib.primitives.ft.shrink` builds the survivors' communicator (with
   :mod:`commlib.agreement`).
+* **Nothing new towards the dead.** No operation starts on a failed communicator: with
+  libfabric's ``tcp`` provider (``MPIR_CVAR_CH4_NETMOD=ofi``) a send that reaches a dead
+  peer reconnects with a blocking ``connect()`` that never returns, and the survivor's whole
+  progress engine hangs there (seen in 3 of 5 runs of an ``MPI_Ibarrier`` over a dead rank,
+  with one proxy per rank and on the emulated cluster alike). An abandoned operation whose
+  schedule later sends to the dead rank can do the same, so fault-tolerant mode needs UCX
+  (the wheel's default netmod), which returns.
 * **Abandoned operations.** A request given up on is kept, with its buffers and its
   communicator, for the rest of the process (:data:`ABANDONED`): MPI may still read or write
   them (mpi4py 4.1.2 does not hold the buffers of ``Iallreduce``, ``Ireduce``,
@@ -129,6 +136,7 @@ class Watcher:
         self.polls += 1
         if found <= self.dead:
             return self.dead
+
         with self.lock:
             self.dead = dead = self.dead | frozenset(found)
             for key, (greq, comm) in list(self.waiting.items()):
@@ -248,6 +256,8 @@ def _nonblocking(name: str) -> Callable:
     start = getattr(MPI.Intracomm, name)
 
     def method(self: "FTComm", *args: Any, **kwargs: Any) -> FTRequest:
+        if self.watcher.dead - self.known_dead:  # never start anything towards the dead
+            raise self.failure(name)
         return FTRequest(start(self, *args, **kwargs), self, (args, kwargs), name)
 
     method.__name__ = name
@@ -258,6 +268,8 @@ def _blocking(name: str, inonblocking: str) -> Callable:
     start = getattr(MPI.Intracomm, inonblocking)
 
     def method(self: "FTComm", *args: Any, **kwargs: Any) -> None:
+        if self.watcher.dead - self.known_dead:
+            raise self.failure(name)
         FTRequest(start(self, *args, **kwargs), self, (args, kwargs), name).Wait()
 
     method.__name__ = name
@@ -360,12 +372,14 @@ class FTComm(MPI.Intracomm):
     # -- blocking operations with a status argument ---------------------------------------
     def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
              status: Any = None) -> None:
+        self.check("Recv")
         FTRequest(MPI.Intracomm.Irecv(self, buf, source, tag), self, buf, "Recv").Wait(status)
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
                  status: Any = None) -> None:
         # Not MPI_Isendrecv: MPICH 5.0.2 leaves its status' count at 0.
+        self.check("Sendrecv")
         recv = MPI.Intracomm.Irecv(self, recvbuf, source, recvtag)
         send = MPI.Intracomm.Isend(self, sendbuf, dest, sendtag)
         FTRequest(send, self, sendbuf, "Sendrecv").Wait()

@@ -32,8 +32,12 @@ def run_job(n: int, argv: list[str], timeout: float, per_rank: bool = True,
                                                                   sys.executable] + argv
     env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
     start = time.monotonic()
+    # restore_signals=False: SIGPIPE stays ignored in mpiexec, which otherwise dies of it
+    # now and then at the end of a job with one proxy per rank (a write to a proxy whose
+    # rank had just ended).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=clean_env(**env), start_new_session=True, text=True)
+                            env=clean_env(**env), start_new_session=True, text=True,
+                            restore_signals=False)
     try:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
@@ -89,3 +93,52 @@ def write_shm(outdir: str, rank: int) -> None:
     from helpers import mpich_segments
     with open(os.path.join(outdir, f"shm{rank}.json"), "w") as f:
         json.dump(mpich_segments(), f)
+
+
+def run_cluster_job(cluster, argv: list[str], timeout: float,
+                    **env: str | None) -> tuple[int, float, str, list[int]]:
+    """As :func:`run_job`, on a ``netsim`` cluster (one hydra proxy per emulated node,
+    ``-disable-auto-cleanup``: a signal death ends the node, not the job), over UCX on the
+    nodes' ``eth0`` (fault-tolerant mode cannot use libfabric's tcp provider, see
+    :mod:`commlib.fault_tolerance`)."""
+    env.setdefault("MPIR_CVAR_CH4_NETMOD", "ucx")
+    env.setdefault("UCX_NET_DEVICES", "eth0")
+    cmd = cluster.prefix()
+    at = next(i for i, c in enumerate(cmd) if os.path.basename(c) == "mpiexec")
+    cmd = cmd[:at + 1] + ["-disable-auto-cleanup"] + cmd[at + 1:] + [sys.executable] + argv
+    env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
+    full = {k: v for k, v in dict(cluster.env, **env).items() if v is not None}
+    full = {k: v for k, v in full.items()
+            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_"))}
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full,
+                            start_new_session=True, text=True, restore_signals=False)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        code = -9
+    seconds = time.monotonic() - start
+    left = session_pids(proc.pid)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return code, seconds, out, left
+
+
+def reference_args(found: dict[int, dict]) -> tuple[str, str]:
+    """``--victims`` and ``--reference`` of the run that shrinks where the survivors
+    (results ``found``) did: the ranks that left at each recovery, the agreed steps."""
+    first = next(iter(found.values()))
+    victims, steps = [], []
+    alive = list(range(first["world"]))
+    for rec in first["recoveries"]:
+        for r in sorted((r for r in alive if r not in rec["members"]), reverse=True):
+            victims.append(r)
+            steps.append(rec["step"])
+        alive = rec["members"]
+    return ",".join(map(str, victims)), ",".join(map(str, steps))

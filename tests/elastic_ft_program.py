@@ -46,6 +46,9 @@ parser.add_argument("--size", type=int, default=8192)
 parser.add_argument("--no-ft", action="store_true", help="fault tolerance off (control)")
 args = parser.parse_args()
 
+if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ["ELASTIC_DUMP"]), exit=True)
 commlib.init(fault_tolerant=not args.no_ft)
 world_rank = commlib.get_rank()
 write_shm(args.outdir, world_rank)

@@ -63,6 +63,9 @@ parser.add_argument("--no-ft", action="store_true")
 parser.add_argument("--bucket-mb", type=float, default=0.005)
 args = parser.parse_args()
 
+if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ["ELASTIC_DUMP"]), exit=True)
 torch.set_default_dtype(torch.float64)
 torch.set_num_threads(1)
 reference = [int(c) for c in args.reference.split(",") if c]
@@ -180,7 +183,8 @@ def train_reference() -> None:
 
 if reference:
     train_reference()
-    if me in victims:
+    if me in victims:  # stays until the end (a rank leaving early upsets hydra's proxies)
+        commlib.barrier()
         sys.exit(0)
 else:
     elastic.run(train, state)
@@ -191,4 +195,6 @@ with open(os.path.join(args.outdir, f"rank{me}.json"), "w") as f:
                "recoveries": [{k: (v if k != "values" else {str(a): b for a, b in v.items()})
                                for k, v in r.items()} for r in state.recoveries],
                "params": params.numpy().tobytes().hex(), "times": times,
-               "size": state.group.size}, f)
+               "size": state.group.size, "world": n0}, f)
+if reference:
+    commlib.barrier()

@@ -231,8 +231,8 @@ class State:
                 self._restore_own(top[0])
             if any(v != top for v in decision.values.values()):
                 self._receive(group, decision.members.index(decision.holder))
-        d["recoveries"].append({"size": group.size, "values": dict(decision.values),
-                                "step": self.step})
+        d["recoveries"].append({"size": group.size, "members": list(group.ranks),
+                                "values": dict(decision.values), "step": self.step})
         if self.scale_lr and self.optimizer is not None and old_size != group.size:
             for param_group in self.optimizer.param_groups:
                 param_group["lr"] *= group.size / old_size
