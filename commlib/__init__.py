@@ -4,7 +4,12 @@ Launch with ``mpiexec -n N python train.py``. The functional API follows
 ``torch.distributed``: collectives take numpy arrays, torch tensors (CPU or CUDA) and cupy
 arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Work` handle.
 """
-from .errors import CommError, NonFiniteError, PeerFailure
+# First of all, before anything imports mpi4py.MPI: a real MPI world when a launcher that
+# is not an MPI launcher (torchrun, Kubernetes, srun) started this process (commlib.launch).
+from . import launch as _launch
+_launch.bootstrap()
+
+from .errors import CommError, NonFiniteError, PeerFailure  # noqa: E402
 from .options import Options, options
 from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, alltoall_v,
                          barrier, block_offsets, block_sizes, broadcast, gather, new_group,

@@ -113,7 +113,8 @@ class Options:
                 self.__dict__[name] = parse(raw)
             except ValueError as exc:
                 raise ValueError(f"environment variable {var}={raw!r}: {exc}") from None
-        known = {f[2] for f in _FIELDS.values()} | {"COMMLIB_TEST_MODE"}
+        from .launch.environment import VARIABLES as launch_variables
+        known = {f[2] for f in _FIELDS.values()} | {"COMMLIB_TEST_MODE", *launch_variables}
         for var in env:
             if var.startswith("COMMLIB_") and var not in known:
                 warnings.warn(f"unknown environment variable {var}; commlib reads "

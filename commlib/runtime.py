@@ -78,7 +78,9 @@ def check_launcher(environ: Any) -> None:
     """Raise :class:`CommError` when ``environ`` says the job has ``WORLD_SIZE`` > 1
     processes but MPI sees a world of one: the processes were started by ``torchrun``
     (which sets ``TORCHELASTIC_RUN_ID`` and ``GROUP_RANK``) or another launcher, not by
-    ``mpiexec``, and would each run alone."""
+    ``mpiexec``, and commlib could not form the job's world from the launcher's store
+    (:mod:`commlib.launch` says why: ``COMMLIB_LAUNCH=mpi``, ``mpi4py.MPI`` imported
+    first, a missing variable...), so each process would run alone."""
     try:
         n = int(environ.get("WORLD_SIZE", ""))
     except ValueError:
@@ -89,13 +91,16 @@ def check_launcher(environ: Any) -> None:
         launcher = "torchrun (TORCHELASTIC_RUN_ID/GROUP_RANK are set)"
     else:
         launcher = "a launcher that is not an MPI launcher"
+    from . import launch
+    why = launch.why_not() or "it was not attempted"
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
     raise CommError(
         f"commlib.init (rank {environ.get('RANK', '?')} of WORLD_SIZE={n}): this process was "
         f"started by {launcher}, but MPI sees a world of 1 process, so each process would "
-        f"run alone. commlib communicates through MPI: launch the job with "
-        f"`mpiexec -n {n} python {script}` instead (commlib then sets RANK, WORLD_SIZE and "
-        f"MASTER_ADDR/MASTER_PORT for torch.distributed).")
+        f"run alone: commlib did not form the job's MPI world from the launcher's "
+        f"environment because {why}. Fix that (with COMMLIB_LAUNCH=auto, the default, "
+        f"importing commlib before mpi4py.MPI forms the world from torchrun's, Kubernetes' "
+        f"or srun's variables), or launch the job with `mpiexec -n {n} python {script}`.")
 
 
 def is_initialized() -> bool:

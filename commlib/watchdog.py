@@ -65,6 +65,8 @@ def abort_job(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
     shm.release()
     # The launcher forwards our stderr through a pipe, and MPI_Abort makes it tear the job
     # down at once; without a moment's grace the diagnostic above is sometimes lost.
+    from . import launch
+    launch.abort(exit_code)  # a store-backed world (torchrun, srun...): the others leave too
     time.sleep(ABORT_GRACE_S)
     try:
         from mpi4py import MPI

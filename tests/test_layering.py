@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 
 LAYERS = [
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
-     "mpi_env", "shutdown", "shm"},
+     "mpi_env", "shutdown", "shm", "launch"},
     {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "agreement"},
     {"primitives", "timeline", "topology"},
     {"algorithms"},

@@ -303,10 +303,8 @@ def test_unsupported_operations_name_themselves(commlib_pg):
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0), group=commlib_pg)
     with pytest.raises(commlib.CommError, match="split_group is not supported"):
         commlib_pg.split_group([0])
-    with pytest.raises(commlib.CommError, match="monitored_barrier is not supported"):
-        commlib_pg.monitored_barrier()
-    with pytest.raises(ValueError, match="AVG needs a floating-point"):
-        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG, group=commlib_pg)
+    with pytest.raises(TypeError, match="ReduceOp.AVG with boolean"):
+        dist.all_reduce(torch.ones(2, dtype=torch.bool), op=dist.ReduceOp.AVG, group=commlib_pg)
     with pytest.raises(ValueError, match="one tensor per rank"):
         dist.all_gather([torch.zeros(3)] * (dist.get_world_size() + 1), torch.zeros(3),
                         group=commlib_pg)
@@ -333,3 +331,172 @@ def test_cuda_tensors_and_ddp_on_the_gpu(commlib_pg):
     grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).cpu().numpy()
     replicas = commlib.allgather(grads)
     np.testing.assert_array_equal(replicas, np.broadcast_to(grads, replicas.shape))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("count", ["ranks", "other"])
+def test_all_gather_coalesced_lists_are_rank_major_like_gloo(torch_groups, count):
+    """torch's output lists are [rank][tensor]: with as many tensors as ranks a transposed
+    result has the right shapes (silently wrong), so compare values, and against gloo."""
+    world, gloo = torch_groups
+    r, n = dist.get_rank(), dist.get_world_size()
+    k = n if count == "ranks" else n + 1
+    results = []
+    for pg in (world, gloo):
+        inputs = [torch.full((2,), 10.0 * i + r, dtype=torch.float64) for i in range(k)]
+        outs = [[torch.zeros(2, dtype=torch.float64) for _ in range(k)] for _ in range(n)]
+        dist.all_gather_coalesced(outs, inputs, group=pg)
+        results.append([[o.tolist() for o in row] for row in outs])
+    expected = [[[10.0 * i + q] * 2 for i in range(k)] for q in range(n)]
+    assert results[0] == expected
+    assert results[0] == results[1]
+
+
+def truncated_mean(values: np.ndarray, dtype: str) -> np.ndarray:
+    """NCCL's ncclAvg on integers: the sum in the dtype (wrapping), divided by the number
+    of ranks rounding toward zero (numpy's integer sum wraps as C's does)."""
+    total = values.astype(dtype).sum(axis=0, dtype=dtype)
+    n = values.shape[0]
+    return np.array([int(s) // n if s >= 0 else -((-int(s)) // n) for s in total],
+                    dtype=dtype)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["int64", "int32", "int8", "uint8"])
+def test_integer_average_has_nccl_semantics(commlib_pg, dtype):
+    """ReduceOp.AVG on integers (what Lightning's sync_dist sends): the truncated mean of
+    the wrapped sum, on every rank, in every reducing collective, 20 generated cases."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    info = np.iinfo(dtype)
+    tdtype = getattr(torch, dtype)
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        low, high = (info.min, info.max) if seed % 4 == 0 else (-9 if info.min else 0, 9)
+        values = rng.integers(low, high, size=(n, 7), endpoint=True, dtype=np.int64)
+        values = values.astype(dtype)
+        expected = truncated_mean(values, dtype)
+        t = torch.from_numpy(values[r].copy())
+        work = dist.all_reduce(t, op=dist.ReduceOp.AVG, group=commlib_pg,
+                               async_op=seed % 2 == 1)
+        if seed % 2:
+            work.wait()
+        assert t.dtype == tdtype
+        np.testing.assert_array_equal(t.numpy(), expected, err_msg=f"all_reduce seed {seed}")
+        t = torch.from_numpy(values[r].copy())
+        dist.reduce(t, dst=n - 1, op=dist.ReduceOp.AVG, group=commlib_pg)
+        np.testing.assert_array_equal(t.numpy(), expected if r == n - 1 else values[r],
+                                      err_msg=f"reduce seed {seed}")
+        big = np.tile(values, (1, n))                  # n blocks of 7 per rank
+        out = torch.zeros(7, dtype=tdtype)
+        dist.reduce_scatter_tensor(out, torch.from_numpy(big[r].copy()),
+                                   op=dist.ReduceOp.AVG, group=commlib_pg)
+        np.testing.assert_array_equal(out.numpy(), expected,
+                                      err_msg=f"reduce_scatter_tensor seed {seed}")
+    if n > 1:   # the check can fail: a plain sum is not the average
+        assert not np.array_equal(values.astype(dtype).sum(0, dtype=dtype), expected)
+
+
+def random_sparse(seed: int, rank: int) -> "torch.Tensor":
+    """A sparse COO float64 tensor, the same shape on every rank, with duplicates (not
+    coalesced), sometimes empty, with 1-3 sparse and 0-2 dense dimensions."""
+    g = np.random.default_rng(seed * 131 + rank)
+    shape_rng = np.random.default_rng(seed)
+    sparse_dims = 1 + seed % 3
+    dense_shape = list(shape_rng.integers(1, 4, size=seed % 3))
+    shape = list(shape_rng.integers(2, 6, size=sparse_dims)) + dense_shape
+    nnz = 0 if (seed + rank) % 7 == 3 else int(g.integers(1, 9))
+    indices = np.stack([g.integers(0, s, size=nnz) for s in shape[:sparse_dims]])
+    values = g.integers(-5, 6, size=[nnz] + dense_shape).astype(np.float64)
+    return torch.sparse_coo_tensor(torch.from_numpy(indices), torch.from_numpy(values),
+                                   shape)
+
+
+@pytest.mark.mpi
+def test_sparse_all_reduce_equals_gloo(torch_groups):
+    """40 generated sparse tensors: commlib's result equals gloo's, in place, coalesced."""
+    world, gloo = torch_groups
+    r = dist.get_rank()
+    for seed in range(40):
+        ours, theirs = random_sparse(seed, r), random_sparse(seed, r)
+        mine = ours.to_dense().clone()
+        dist.all_reduce(ours, group=world)
+        dist.all_reduce(theirs, group=gloo)
+        assert ours.is_sparse and ours.is_coalesced(), f"seed {seed}"
+        got, want = ours.to_dense(), theirs.to_dense()
+        assert torch.equal(got, want), f"seed {seed}: {got} vs gloo {want}"
+        assert torch.equal(ours.coalesce().indices(), theirs.coalesce().indices())
+        if dist.get_world_size() > 1 and seed == 1:
+            assert not torch.equal(got, mine)     # the check can fail
+    t = random_sparse(1, r)
+    with pytest.raises(NotImplementedError, match="sparse tensor with ReduceOp.MAX"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
+    with pytest.raises(NotImplementedError, match="broadcast of a torch.sparse_coo"):
+        dist.broadcast(t, src=0, group=world)
+
+
+@pytest.mark.mpi
+def test_sparse_all_reduce_refuses_mismatched_sizes_on_every_rank(commlib_pg):
+    r = dist.get_rank()
+    t = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1),
+                                [4 + (r == dist.get_world_size() - 1)])
+    if dist.get_world_size() == 1:
+        return
+    with pytest.raises(ValueError, match="differ in their size"):
+        dist.all_reduce(t, group=commlib_pg)
+
+
+PROFILED = [("all_reduce", lambda t, pg, n, a: dist.all_reduce(t, group=pg, async_op=a)),
+            ("broadcast", lambda t, pg, n, a: dist.broadcast(t, src=0, group=pg, async_op=a)),
+            ("all_gather", lambda t, pg, n, a: dist.all_gather(
+                [torch.zeros_like(t) for _ in range(n)], t, group=pg, async_op=a)),
+            ("reduce", lambda t, pg, n, a: dist.reduce(t, dst=0, group=pg, async_op=a)),
+            ("all_to_all", lambda t, pg, n, a: dist.all_to_all_single(
+                torch.zeros(3 * n, dtype=t.dtype), torch.zeros(3 * n, dtype=t.dtype),
+                group=pg, async_op=a))]
+
+
+@pytest.mark.mpi
+def test_profiler_records_one_event_per_operation_like_gloo(torch_groups):
+    """Under torch.profiler: one asynchronous ``<backend>:<op>`` event per operation,
+    with the input shapes, for commlib as for gloo (blocking and async_op calls)."""
+    world, gloo = torch_groups
+    n = dist.get_world_size()
+    found = {}
+    for pg, backend in ((world, "commlib"), (gloo, "gloo")):
+        with torch.profiler.profile(record_shapes=True) as prof:
+            t = torch.ones(3, 2, dtype=torch.float64)
+            for asynchronous in (False, True):
+                for _, call in PROFILED:
+                    work = call(t, pg, n, asynchronous)
+                    if asynchronous:
+                        work.wait()
+            work = dist.all_reduce(torch.ones(4, dtype=torch.float64), group=pg,
+                                   async_op=True)
+            work.wait()
+        events = {}
+        for e in prof.events():
+            if e.name.startswith(backend + ":"):
+                events.setdefault(e.name.split(":")[1], []).append(
+                    (e.is_async, e.input_shapes, e.count))
+        found[backend] = events
+    ours, theirs = found["commlib"], found["gloo"]
+    assert sorted(ours) == sorted({name for name, _ in PROFILED}), ours
+    for name, _ in PROFILED:
+        assert ours[name] == theirs.get(name, ours[name]), (name, ours, theirs)
+    assert ours["all_reduce"] == [(True, [[3, 2]], 1)] * 2 + [(True, [[4]], 1)]
+    assert all(a for evs in ours.values() for a, _, _ in evs)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_profiler_records_send_and_recv(commlib_pg):
+    r, n = dist.get_rank(), dist.get_world_size()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        if r == 0:
+            dist.send(torch.ones(2, 5), dst=n - 1, group=commlib_pg)
+        elif r == n - 1:
+            dist.recv(torch.zeros(2, 5), src=0, group=commlib_pg)
+    names = [(e.name, e.input_shapes, e.is_async) for e in prof.events()
+             if e.name.startswith("commlib:")]
+    expected = {0: [("commlib:send", [[2, 5]], True)],
+                n - 1: [("commlib:recv", [[2, 5]], True)]}.get(r, [])
+    assert names == expected

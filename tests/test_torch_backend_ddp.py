@@ -103,3 +103,57 @@ def test_distributed_sampler_and_objects_over_the_commlib_group(torch_groups):
     dist.all_gather_object(everyone, mine, group=world)
     assert everyone[r] == mine
     assert sorted(set(i for part in everyone for i in part)) == list(range(23))
+
+
+class SparseNet(torch.nn.Module):
+    """An embedding with sparse gradients (summed bags) feeding a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = torch.nn.Embedding(20, 6, sparse=True).double()
+        self.head = torch.nn.Linear(6, 2).double()
+
+    def forward(self, ids: "torch.Tensor") -> "torch.Tensor":
+        return self.head(self.emb(ids).sum(1))
+
+
+def train_sparse(pg, steps: int = 6) -> list[np.ndarray]:
+    """torch DDP over ``pg`` with nn.Embedding(sparse=True) (its gradient travels through
+    a sparse all_reduce), SGD; parameters after each step; each rank's ids differ."""
+    net = DDP(SparseNet(), process_group=pg)
+    opt = torch.optim.SGD(net.parameters(), lr=0.2)
+    g = torch.Generator().manual_seed(300 + dist.get_rank())
+    snapshots = []
+    for _ in range(steps):
+        ids = torch.randint(0, 20, (4, 3), generator=g)
+        y = torch.randn(4, 2, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(ids), y).backward()
+        assert net.module.emb.weight.grad.is_sparse
+        opt.step()
+        snapshots.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy()
+                         .copy())
+    return snapshots
+
+
+@pytest.mark.mpi
+def test_sparse_embedding_under_ddp_trains_like_gloo(torch_groups):
+    world, gloo = torch_groups
+    ours, theirs = train_sparse(world), train_sparse(gloo)
+    diffs = max_differences(ours, theirs)
+    assert max(diffs) < TOL, f"sparse DDP over commlib vs gloo, per step: {diffs}"
+    replicas = commlib.allgather(ours[-1])
+    np.testing.assert_array_equal(replicas, np.broadcast_to(ours[-1], replicas.shape))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sparse_comparison_catches_a_broken_backend(torch_groups):
+    _, gloo = torch_groups
+    if "COMMLIB_BROKEN" not in dist.Backend._plugins:
+        dist.Backend.register_backend("commlib_broken", _broken, extended_api=True,
+                                      devices=["cpu"])
+    broken = dist.new_group(backend="commlib_broken")
+    diffs = max_differences(train_sparse(broken, 3), train_sparse(gloo, 3))
+    assert max(diffs) > 1e-6, f"the comparison missed a backend that skips allreduce: {diffs}"
+    dist.destroy_process_group(broken)

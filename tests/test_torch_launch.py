@@ -1,7 +1,9 @@
 """Launching torch.distributed programs: torchrun-style scripts run unchanged under
 ``mpiexec`` once they import commlib (env:// variables from MPI); a torchrun launch of a
-commlib program fails fast on every rank, naming torchrun and mpiexec; a plain singleton
-run still works; a job that never destroys its process groups still exits 0.
+commlib program forms one MPI world (commlib.launch; more in test_launch.py), and with
+that turned off (``COMMLIB_LAUNCH=mpi``) fails fast on every rank, naming torchrun, the
+reason and mpiexec; a plain singleton run still works; a job that never destroys its
+process groups still exits 0.
 
 Each case starts its own job with an outer timeout (serial session only).
 """
@@ -19,7 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "torch_env_program.py")
 EXIT_PROGRAM = os.path.join(HERE, "torch_exit_program.py")
 RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "COMMLIB_LAUNCH",
+              "COMMLIB_LAUNCH_PID")
 
 
 def launch_env(**extra: str) -> dict:
@@ -85,31 +88,44 @@ def test_torchrun_style_script_torch_first_commlib_backend_simulated_nodes(tmp_p
         assert addrs == set(expected), out
 
 
-def test_torchrun_launch_fails_fast_naming_torchrun_and_mpiexec(tmp_path):
+TRAIN = ("import sys, time\n"
+         "sys.stdout.write(f'started {time.time()}\\n'); sys.stdout.flush()\n"
+         "import commlib\n"
+         "commlib.init()\n"
+         "print('world', commlib.get_rank(), commlib.get_world_size(), flush=True)\n")
+
+
+def torchrun_logs(tmp_path, **extra: str) -> tuple:
+    """torchrun a 2-rank commlib program; (exit status, wall-clock end, output,
+    {rank: (stdout, stderr)})."""
     script = tmp_path / "train.py"
-    script.write_text("import sys, time\n"
-                      "sys.stdout.write(f'started {time.time()}\\n'); sys.stdout.flush()\n"
-                      "import commlib\n"
-                      "commlib.init()\n"
-                      "print('ran alone: the launch was not refused', flush=True)\n")
+    script.write_text(TRAIN)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     logs = tmp_path / "logs"
     # Each rank's output in its own file (--redirects 3); --monitor-interval 2: the agent
     # lets the second worker report before it stops it.
     code, seconds, out, end = run([torchrun, "--nproc_per_node=2", "--monitor-interval=2",
                                    "--log-dir", str(logs), "--redirects", "3", str(script)],
-                                  timeout=60)
+                                  timeout=120, **extra)
+    ranks = {int(p.parent.name): ((p.parent / "stdout.log").read_text(), p.read_text())
+             for p in logs.rglob("stderr.log")}
+    return code, end, out, ranks
+
+
+def test_torchrun_launch_with_the_store_world_off_fails_fast_naming_why(tmp_path):
+    # COMMLIB_LAUNCH=mpi: MPI singletons, so init refuses on every rank, naming torchrun,
+    # the reason and mpiexec. (Without it the same launch forms one world: test_launch.py.)
+    code, end, out, ranks = torchrun_logs(tmp_path, COMMLIB_LAUNCH="mpi")
     assert code not in (0, -9), out
-    ranks = {int(p.parent.name): p.parent for p in logs.rglob("stderr.log")}
-    assert sorted(ranks) == [0, 1], (list(logs.rglob("*")), out)
+    assert sorted(ranks) == [0, 1], out
     starts = []
-    for rank, folder in ranks.items():
-        stdout, stderr = (folder / "stdout.log").read_text(), (folder / "stderr.log").read_text()
+    for rank, (stdout, stderr) in ranks.items():
         starts += [float(s) for s in re.findall(r"started (\d+\.\d+)", stdout)]
-        assert "ran alone" not in stdout, stdout
+        assert "world" not in stdout, stdout
         line = re.search(rf"CommError: commlib.init \(rank {rank} of WORLD_SIZE=2\).*", stderr)
         assert line, stderr
-        assert "torchrun" in line.group(0) and "mpiexec -n 2 python train.py" in line.group(0)
+        for part in ("torchrun", "COMMLIB_LAUNCH=mpi", "mpiexec -n 2 python train.py"):
+            assert part in line.group(0), line.group(0)
     assert len(starts) == 2, out
     assert end - min(starts) < 10, f"{end - min(starts):.1f} s after the ranks started:\n{out}"
 

@@ -10,7 +10,10 @@ imported, in either order (:mod:`.hook`); under ``mpiexec`` commlib also sets th
 Modules: :mod:`.hook` (registration when torch gets imported; imports no torch),
 :mod:`.registration` (the creator torch calls), :mod:`.process_group` (collectives),
 :mod:`.p2p` (send/recv), :mod:`.work` (handles and futures), :mod:`.convert` (reduce ops,
-options). This package's ``__init__`` imports no torch: the attributes below load on use.
+options), :mod:`.deadlines` (the group's timeout on every wait), :mod:`.profiling`
+(``commlib:<op>`` profiler events), :mod:`.sparse` (sparse ``all_reduce``),
+:mod:`.monitored` (``monitored_barrier``: which ranks did not arrive). This package's
+``__init__`` imports no torch: the attributes below load on use.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ BACKEND_NAME = "commlib"
 _LAZY = {
     "ProcessGroupCommlib": ".process_group",
     "commlib_group": ".process_group",
+    "monitored_barrier": ".process_group",
     "CommlibWork": ".work",
     "UnsupportedOperation": ".convert",
     "register": ".registration",
@@ -35,4 +39,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["BACKEND_NAME", "CommlibWork", "ProcessGroupCommlib", "UnsupportedOperation",
-           "commlib_group", "register"]
+           "commlib_group", "monitored_barrier", "register"]

@@ -10,6 +10,10 @@ future; backward computes meanwhile. Calls with ``async_op=False`` stay blocking
 thread hop on the latency-bound path). Needs ``MPI_THREAD_MULTIPLE``; under a lower
 thread level everything runs blocking. The thread is stopped at exit, before MPI
 finalizes.
+
+The thread completes each operation within its group's timeout (:mod:`.deadlines`): an
+operation still pending at its deadline fails its handle and future with the timeout
+error, and the thread goes on with the next one.
 """
 from __future__ import annotations
 
@@ -22,24 +26,40 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import Work
 
+import torch.distributed as dist
+
 from .. import runtime, shutdown
 from ..primitives import Work as CommlibPending
+from .convert import where
+from .deadlines import GroupDeadlines, seconds
 
 
 class BackgroundWork(Work):
     """Handle of a collective the progress thread completes: ``wait()`` blocks until it
     has (without holding the GIL), ``get_future()`` returns the future at once (torch's DDP
-    chains on it), its value the list of tensors."""
+    chains on it), its value the list of tensors. ``deadlines``/``op``/``deadline``: the
+    group's timeout state, the operation's name and its deadline; ``event``: its profiler
+    event, ended once it completes (:mod:`.profiling`)."""
 
-    def __init__(self, result: list, after: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, result: list, after: Callable[[Any], None] | None = None,
+                 deadlines: GroupDeadlines | None = None, op: str = "",
+                 deadline: float = float("inf"), event: Any = None) -> None:
         super().__init__()
         self._result = result
         self._after = after
+        self._deadlines = deadlines
+        self._op = op
+        self._deadline = deadline
+        self._event = event
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._source = -1
+        self._collective = True
         devices = sorted({str(t.device) for t in result if t.device.type != "cpu"})
         self._future = torch.futures.Future(devices=devices) if devices else \
             torch.futures.Future()
+        if event is not None:
+            event.end_when(self._done, deadline - time.monotonic())
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
@@ -50,7 +70,17 @@ class BackgroundWork(Work):
         self._done.set()
 
     def wait(self, timeout: Any = None) -> bool:
-        self._done.wait()
+        """Block until the operation is complete (the progress thread enforces the group's
+        timeout); ``timeout`` (a ``timedelta``) waits at most that long here and then raises
+        ``DistBackendError``, leaving the operation to go on."""
+        limit = seconds(timeout)
+        if not self._done.wait(limit):
+            rank = self._deadlines.rank if self._deadlines is not None else -1
+            raise dist.DistBackendError(f"{where(self._op or 'Work.wait', rank)}: Timed out "
+                                        f"after {limit:g} s in Work.wait(timeout); the "
+                                        f"operation is still pending")
+        if self._event is not None:
+            self._event.ended()
         if self._error is not None:
             raise self._error
         return True
@@ -73,6 +103,16 @@ class BackgroundWork(Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
+
+    def set_source(self, source: int) -> None:
+        self._source = source
 
 
 class _Progress:
@@ -100,7 +140,11 @@ class _Progress:
             pending, work = item
             error: BaseException | None = None
             try:
-                value = pending.wait()
+                if work._deadlines is None:
+                    value = pending.wait()
+                else:
+                    value = work._deadlines.wait(pending, work._op, work._deadline,
+                                                 collective=work._collective)
                 if work._after is not None:
                     work._after(value)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
@@ -140,7 +184,14 @@ def background() -> bool:
 
 
 def submit(pending: CommlibPending, result: list,
-           after: Callable[[Any], None] | None = None) -> BackgroundWork:
+           after: Callable[[Any], None] | None = None, deadlines: GroupDeadlines | None = None,
+           op: str = "", deadline: float = float("inf"), event: Any = None,
+           collective: bool = True, source: int = -1) -> BackgroundWork:
     """Hand a started commlib operation to the progress thread; its handle. ``after(value)``
-    runs on that thread once the operation completed (copying results out)."""
-    return _progress.submit(pending, BackgroundWork(result, after))
+    runs on that thread once the operation completed (copying results out); the operation
+    must complete by ``deadline`` (see :class:`BackgroundWork`); ``collective=False``: a
+    point-to-point operation (a timeout cancels it and leaves the group usable), whose
+    handle's ``_source_rank()`` is ``source``."""
+    work = BackgroundWork(result, after, deadlines, op, deadline, event)
+    work._collective, work._source = collective, source
+    return _progress.submit(pending, work)

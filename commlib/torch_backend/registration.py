@@ -34,7 +34,8 @@ def create(dist_opts: Any, backend_options: Any = None) -> ProcessGroupCommlib:
     that together before anything else, so a mismatch raises :class:`CommError` everywhere
     instead of hanging. A sub-group (``new_group(ranks, backend="commlib")``): its members
     build a communicator among themselves (:func:`commlib.new_subgroup`); torch's global
-    ranks are MPI world ranks.
+    ranks are MPI world ranks. The group's ``timeout`` (``init_process_group``/
+    ``new_group``) bounds every wait of its operations (:mod:`.deadlines`).
     """
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     ranks = [int(r) for r in dist_opts.global_ranks_in_group]
@@ -59,4 +60,4 @@ def create(dist_opts: Any, backend_options: Any = None) -> ProcessGroupCommlib:
                             f"{me} but MPI rank {world.rank}; sub-groups need torch rank == MPI "
                             f"rank (leave RANK unset: commlib sets it from MPI)")
         group = group_from_ranks(ranks)
-    return ProcessGroupCommlib(group, rank, size)
+    return ProcessGroupCommlib(group, rank, size, getattr(dist_opts, "timeout", None))

@@ -4,10 +4,10 @@
 Blocking collectives get handles born complete (:func:`done`); asynchronous ones get a
 :class:`commlib.torch_backend.progress.BackgroundWork`, completed by the progress thread.
 Point-to-point operations are real non-blocking MPI requests (so paired
-``isend``/``irecv`` never deadlock): ``wait()`` completes them under commlib's watchdog,
-and ``get_future()`` does the same before it returns a completed future, because torch's
-DDP waits on the future, and with MPI nothing makes progress unless someone calls into
-it; ``is_completed()`` tests without blocking.
+``isend``/``irecv`` never deadlock): ``wait()`` completes them within the group's timeout
+(:mod:`.deadlines`), and ``get_future()`` does the same before it returns a completed
+future, because torch's DDP waits on the future, and with MPI nothing makes progress
+unless someone calls into it; ``is_completed()`` tests without blocking.
 
 Pending point-to-point handles are kept in :data:`_in_flight` until they complete, so the
 tensors MPI reads or writes stay alive even when the caller drops the handle. At exit
@@ -28,34 +28,59 @@ from torch._C._distributed_c10d import Work
 
 from .. import shutdown
 from ..primitives import Work as CommlibPending
+from . import profiling
+from .deadlines import GroupDeadlines, seconds
 
 
 class CommlibWork(Work):
     """``result`` is the list of tensors the operation wrote (or read, for a send); it is
     the value of the future. ``pending``: a commlib :class:`commlib.Work` still to
-    complete; ``on_done(value)`` runs once with its ``wait()`` value (recv from any source
-    records the sender this way)."""
+    complete, within ``deadlines``' timeout counted from now (``op`` names it in errors);
+    ``on_done(value)`` runs once with its ``wait()`` value (recv from any source records
+    the sender this way); ``event``: the profiler event to close on completion."""
 
     def __init__(self, result: list, pending: CommlibPending | None = None,
-                 on_done: Callable[[Any], None] | None = None, source: int = -1) -> None:
+                 on_done: Callable[[Any], None] | None = None, source: int = -1,
+                 deadlines: GroupDeadlines | None = None, op: str = "",
+                 event: Any = None) -> None:
         super().__init__()
         self._result = result
         self._pending = pending
         self._on_done = on_done
         self._source = source
         self._future: torch.futures.Future | None = None
+        self._deadlines = deadlines
+        self._op = op
+        self._event = event
+        self._started = time.monotonic()
 
-    def _complete(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            _in_flight.discard(self)
+    def _complete(self, timeout: Any = None) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        deadlines, timeout_s = self._deadlines, seconds(timeout)
+        if deadlines is None:
             value = pending.wait()
-            if self._on_done is not None:
-                self._on_done(value)
+        else:
+            limit = deadlines.timeout_s if timeout_s is None else timeout_s
+            value = deadlines.wait(pending, self._op, self._started + limit, limit,
+                                   collective=False)
+        self._pending = None
+        _in_flight.discard(self)
+        profiling.end(self._event)
+        if self._on_done is not None:
+            self._on_done(value)
 
     def wait(self, timeout: Any = None) -> bool:
-        """Block until the operation is complete (commlib's watchdog bounds the wait)."""
-        self._complete()
+        """Block until the operation is complete; raise ``DistBackendError`` if it is not
+        within ``timeout`` (a ``timedelta``; none given: the group's timeout), counted from
+        the call that started it."""
+        try:
+            self._complete(timeout)
+        except BaseException:
+            _in_flight.discard(self)
+            self._pending = None
+            raise
         return True
 
     def is_completed(self) -> bool:
