@@ -287,6 +287,27 @@ def _left_long_ago() -> list[int]:
     return [r for r, (_, _, seen) in list(ex.left.items()) if now - seen >= LEFT_GRACE_S]
 
 
+def _leave_store(dead: frozenset) -> None:
+    """In a store-backed world (:mod:`commlib.launch`), what its ``atexit`` handler would do
+    (``os._exit`` skips it): tell the store this rank left; the rank hosting the store
+    waits there until every rank has left. Dead ranks never leave, so the survivors count
+    them as left, each once (the first survivor to claim one). Uses the store keys of
+    :class:`commlib.launch.space.StoreSpace` (``left``, ``left/out``): a seam for
+    ``commlib.launch`` to take over."""
+    from . import launch
+    world = launch.current()
+    if world is None:
+        return
+    try:
+        for r in sorted(dead):
+            if world.call("add", world.key(f"ft/left-for/{r}"), 1) == 1 and \
+                    world.call("add", world.key("left"), 1) == world.size:
+                world.call("set", world.key("left/out"), "1")
+        world.leave()
+    except Exception:  # noqa: BLE001 - the store's host may be gone: leave anyway
+        pass
+
+
 def _leave(ex: _Exits, status: int, how: str) -> None:
     """Fault-tolerant mode's exit (see the module docstring): never returns."""
     import logging
@@ -310,6 +331,7 @@ def _leave(ex: _Exits, status: int, how: str) -> None:
         if all(r == me or r in ex.left or r in gone for r in range(n)):
             break  # everyone alive has left too: nobody can wait for this rank
         time.sleep(POLL_S)
+    _leave_store(fault_tolerance.dead())
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -159,16 +159,90 @@ class Watcher:
             return self.dead
 
 
+class StoreDetector:
+    """Failure detection in a store-backed world (:mod:`commlib.launch`: torchrun-style
+    environments, no ``mpiexec``): every rank publishes its host and process id in the
+    job's store; a peer on this host is dead once its process is gone or a zombie (checked
+    on every watcher poll), a peer on another host once its heartbeat (a counter it
+    increments from the launch monitor, every :data:`commlib.launch.world.POLL_S` s) has
+    not moved for :data:`STALE_S` s. Dead ranks are also added to the world's ``dead``,
+    which its PMI server answers to ``MPIX_Comm_get_failed``."""
+
+    #: Seconds without a heartbeat after which a peer on another host counts as dead.
+    STALE_S = 3.0
+
+    def __init__(self, world: Any) -> None:
+        import os
+        import socket
+        self.world = world
+        self.rank, self.size = world.rank, world.size
+        self.host = socket.gethostname()
+        self.peers: dict[int, tuple[str, int]] = {}
+        self.beats: dict[int, tuple[int, float]] = {}
+        self.dead: set[int] = set()
+        world.call("set", world.key(f"ft/pid/{self.rank}"), f"{self.host} {os.getpid()}")
+        world.on_poll(self._beat)
+
+    def _beat(self, world: Any) -> None:
+        """Launch monitor thread: my heartbeat, and the others' heartbeats read."""
+        world.call("add", world.key(f"ft/beat/{self.rank}"), 1)
+        now = time.monotonic()
+        for r in range(self.size):
+            if r == self.rank or r in self.dead:
+                continue
+            beat = int(world.call("add", world.key(f"ft/beat/{r}"), 0))
+            seen = self.beats.get(r)
+            if seen is None or seen[0] != beat:
+                self.beats[r] = (beat, now)
+            elif now - seen[1] > self.STALE_S:
+                self.dead.add(r)
+
+    def __call__(self) -> list[int]:
+        for r in range(self.size):
+            if r == self.rank or r in self.dead:
+                continue
+            peer = self.peers.get(r)
+            if peer is None:
+                key = self.world.key(f"ft/pid/{r}")
+                if not self.world.call("check", [key]):
+                    continue
+                host, pid = _text(self.world.call("get", key)).split()
+                peer = self.peers[r] = (host, int(pid))
+            if peer[0] == self.host and not _alive(peer[1]):
+                self.dead.add(r)
+        if not self.dead <= self.world.dead:
+            self.world.dead.update(self.dead)
+        return list(self.dead)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 _watcher: Watcher | None = None
 _watcher_lock = threading.Lock()
 
 
 def watcher() -> Watcher:
-    """The process's :class:`Watcher`, started on first use."""
+    """The process's :class:`Watcher`, started on first use (with a
+    :class:`StoreDetector` in a store-backed world)."""
     global _watcher
     if _watcher is None:
         with _watcher_lock:
             if _watcher is None:
+                from . import launch
+                world = launch.current()
+                if world is not None:
+                    SOURCES.append(StoreDetector(world))
                 _watcher = Watcher()
     return _watcher
 

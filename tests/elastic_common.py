@@ -142,3 +142,47 @@ def reference_args(found: dict[int, dict]) -> tuple[str, str]:
             steps.append(rec["step"])
         alive = rec["members"]
     return ",".join(map(str, victims)), ",".join(map(str, steps))
+
+
+def run_store_job(n: int, argv: list[str], timeout: float,
+                  **env: str | None) -> tuple[list[int], float, str, list[int]]:
+    """Start ``n`` ranks by hand as a Kubernetes job would (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; rank 0 hosts the store): the store-backed world of
+    :mod:`commlib.launch`. Returns (each rank's status, -9 past ``timeout``; seconds; the
+    output; pids of their sessions left alive)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = str(s.getsockname()[1])
+    base = {k: v for k, v in clean_env().items()
+            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
+            ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+             "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
+    base.update({k: v for k, v in env.items() if v is not None})
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable] + argv, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=dict(base, RANK=str(r), WORLD_SIZE=str(n),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(n)]
+    codes, outs = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+            codes.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            codes.append(-9 if p.returncode != -9 else -9)
+        outs.append(out)
+    seconds = time.monotonic() - start
+    left = [pid for p in procs for pid in session_pids(p.pid)]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return codes, seconds, "".join(outs), left

@@ -44,6 +44,7 @@ parser.add_argument("case")
 parser.add_argument("--iters", type=int, default=60)
 parser.add_argument("--size", type=int, default=8192)
 parser.add_argument("--no-ft", action="store_true", help="fault tolerance off (control)")
+parser.add_argument("--victim-rank", type=int, default=None, help="the (first) victim")
 args = parser.parse_args()
 
 if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
@@ -66,7 +67,8 @@ def die(how: str) -> None:
 
 
 def victim_plan() -> dict[int, tuple[int, str]]:
-    last, before = n0 - 1, n0 - 2
+    last = n0 - 1 if args.victim_rank is None else args.victim_rank
+    before = n0 - 2
     plan = {"kill": {last: (20, "kill")}, "exit": {last: (20, "exit")},
             "sysexit": {last: (20, "sysexit")},
             "two": {last: (20, "kill"), before: (40, "kill")},
