@@ -316,7 +316,7 @@ def _leave(ex: _Exits, status: int, how: str) -> None:
     from . import fault_tolerance
     comm = ex.comm
     me, n = comm.Get_rank(), comm.Get_size()
-    gone = fault_tolerance.dead()
+    gone = fault_tolerance.dead_in_world()
     # Messages to the living only, and no collective: nothing may be sent to a dead rank
     # (see commlib.fault_tolerance).
     sends = [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n)
@@ -325,13 +325,13 @@ def _leave(ex: _Exits, status: int, how: str) -> None:
     limit = float(options.exit_window) if status == 0 else SEND_GRACE_S
     while time.monotonic() - start < limit:
         ex.drain()
-        gone = fault_tolerance.dead()
+        gone = fault_tolerance.dead_in_world()
         if status != 0 and all(s.Test() for s in sends):
             break
         if all(r == me or r in ex.left or r in gone for r in range(n)):
             break  # everyone alive has left too: nobody can wait for this rank
         time.sleep(POLL_S)
-    _leave_store(fault_tolerance.dead())
+    _leave_store(fault_tolerance.dead_in_world())
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -115,6 +115,12 @@ class Watcher:
         self.available = self.mpix.fn is not None
         self.polls = 0
         self.changed = threading.Condition(self.lock)
+        # The "world ranks" the dead are counted in: MPI_COMM_WORLD's, until a grown world
+        # (spawned ranks merged in) replaces it (see rebase).
+        self.base = MPI.COMM_WORLD.Get_group()
+        self.det_map: dict[int, int] | None = None  # detector rank -> base rank (None: same)
+        self.epoch = 0
+        self.raw_dead: set[int] = set()  # as the detectors report them
         self._thread = threading.Thread(target=self._run, name="commlib-ft", daemon=True)
         self._thread.start()
 
@@ -134,6 +140,8 @@ class Watcher:
                 found.update(int(r) for r in source())
             except Exception:  # noqa: BLE001
                 pass
+        self.raw_dead |= found
+        found = self.to_base(found)
         self.polls += 1
         if found <= self.dead:
             return self.dead
@@ -151,6 +159,31 @@ class Watcher:
             except Exception:  # noqa: BLE001
                 pass
         return dead
+
+    def to_base(self, ranks: Iterable[int]) -> set[int]:
+        """Ranks of this process's ``MPI_COMM_WORLD`` (what the detectors report) as ranks
+        of the base world; ranks outside it are dropped."""
+        m = self.det_map
+        return set(ranks) if m is None else {m[r] for r in ranks if r in m}
+
+    def rebase(self, comm: Any) -> None:
+        """``comm`` (every member alive) is the world from now on (after a grow): the
+        dead are counted in its ranks. Every communicator made before fails for good (a
+        marker ``-epoch`` joins the dead set; newer communicators know it)."""
+        group = comm.Get_group()
+        mine = MPI.COMM_WORLD.Get_group()
+        n = mine.Get_size()
+        there = MPI.Group.Translate_ranks(mine, list(range(n)), group)
+        mine.Free()
+        with self.lock:
+            self.det_map = {r: t for r, t in enumerate(there) if t != MPI.UNDEFINED}
+            self.base = group
+            self.epoch += 1
+            self.dead = frozenset(r for r in self.dead if r < 0) | {-self.epoch}
+            for key, (box, _) in list(self.waiting.items()):
+                del self.waiting[key]
+                box.event.set()
+            self.changed.notify_all()
 
     def wait_change(self, known: frozenset, timeout: float) -> frozenset:
         """Block up to ``timeout`` s until the dead set is not ``known`` any more."""
@@ -246,6 +279,11 @@ def watcher() -> Watcher:
                     SOURCES.append(StoreDetector(world))
                 _watcher = Watcher()
     return _watcher
+
+
+def dead_in_world() -> frozenset[int]:
+    """Ranks of this process's ``MPI_COMM_WORLD`` known dead (whatever the base world)."""
+    return frozenset(watcher().raw_dead)
 
 
 def dead() -> frozenset[int]:
@@ -409,8 +447,7 @@ class FTComm(MPI.Intracomm):
         group = self.Get_group()
         try:
             self.world_ranks = tuple(MPI.Group.Translate_ranks(
-                group, list(range(group.Get_size())), w.mpix.world if w.available
-                else MPI.COMM_WORLD.Get_group()))
+                group, list(range(group.Get_size())), w.base))
         finally:
             group.Free()
         self._creations = 0

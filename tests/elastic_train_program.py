@@ -61,6 +61,8 @@ parser.add_argument("--reference", default="")
 parser.add_argument("--width", type=int, default=32)
 parser.add_argument("--no-ft", action="store_true")
 parser.add_argument("--bucket-mb", type=float, default=0.005)
+parser.add_argument("--replace", action="store_true",
+                    help="spawn a replacement for each dead rank, on its host")
 args = parser.parse_args()
 
 if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
@@ -76,6 +78,9 @@ write_shm(args.outdir, me)
 victims = [int(v) for v in args.victims.split(",")]
 at = [int(k) for k in args.at.split(",")]
 plan = dict(zip(victims, at))
+from commlib.primitives import ft as _ft  # noqa: E402
+if _ft.joined:  # a replacement spawned by run(replace=True): it is no victim
+    plan = {}
 state_module._SKIP_AGREEMENT = args.skip_agreement
 
 KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
@@ -187,7 +192,9 @@ if reference:
         commlib.barrier()
         sys.exit(0)
 else:
-    elastic.run(train, state)
+    hosts = os.environ.get("ELASTIC_HOSTS", "").split(",")  # a dead rank's host, if known
+    elastic.run(train, state, replace=args.replace,
+                spawn_info=lambda dead: {"host": hosts[dead[0]]} if hosts[0] else None)
 
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 with open(os.path.join(args.outdir, f"rank{me}.json"), "w") as f:

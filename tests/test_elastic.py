@@ -179,3 +179,31 @@ def test_two_tier_cluster(tmp_path, tmp_path_factory, layout):
         recoveries = len(next(iter(found.values()))["recoveries"]) if found else 1
         check(tmp_path, tmp_path_factory, survivors, recoveries, status, out, left,
               cluster=cluster)
+
+
+def test_a_replacement_joins(tmp_path, tmp_path_factory):
+    """Section 4: after the kill the survivors spawn a replacement (``MPI_Comm_spawn`` on
+    the dead rank's host), send it the state by broadcast, and the four go on: exactly the
+    run in which nobody died."""
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(N))
+    status, _, out, left = run_job(N, [PROGRAM, str(tmp_path), "--steps", str(STEPS),
+                                       "--fault", "kill", "--replace"], OUTER_S,
+                                   COMMLIB_TIMEOUT="60", ELASTIC_HOSTS=hosts)
+    assert status != -9 and not left, (status, out[-3000:])
+    assert not leftover_shm(str(tmp_path))
+    found = results(str(tmp_path))
+    assert sorted(found) == [0, 1, 2, 3], f"{sorted(found)} finished\n{out[-3000:]}"
+    for rank, r in found.items():
+        assert r["step"] == STEPS and r["size"] == N, (rank, r["step"], r["size"])
+        grown = [x for x in r["recoveries"] if x.get("grown")]
+        assert len(grown) == 1 and grown[0]["size"] == N, r["recoveries"]
+        assert [s for s, _ in r["ledger"]] == list(range(1, STEPS + 1))
+        assert all(n == N for _, n in r["ledger"]), r["ledger"]
+    ref_dir = tmp_path_factory.mktemp("no-failure")
+    status, _, out, left = run_job(N, [PROGRAM, str(ref_dir), "--steps", str(STEPS),
+                                       "--no-ft"], OUTER_S, COMMLIB_TIMEOUT="60")
+    assert status == 0 and not left, (status, out[-3000:])
+    ref = results(str(ref_dir))
+    for rank in range(N):
+        assert np.array_equal(params(found[rank]), params(ref[rank])), \
+            f"rank {rank} (the replacement: {rank == N - 1}) differs from the run without failure"

@@ -92,6 +92,7 @@ class State:
         d["values"] = dict(values)
         d["step"] = 0
         d["group"] = None
+        d["target_size"] = 0        # the world size to grow back to (run(replace=True))
         d["policy"] = REPLICATED
         d["_wrapper"] = None
         d["_commits"]: list[_Snapshot] = []
@@ -266,6 +267,7 @@ class State:
         if group.rank == root:
             buffer = io.BytesIO()
             torch.save({"step": self.step, "values": self.values,
+                        "target_size": self.target_size,
                         "model": self.model.state_dict(),
                         "optimizer": (self.optimizer.state_dict()
                                       if self.optimizer is not None else None),
@@ -287,6 +289,7 @@ class State:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(saved["optimizer"])
         d["step"], d["values"] = saved["step"], saved["values"]
+        d["target_size"] = saved["target_size"]
         d["_algorithm_state"] = saved["algorithm"]
         self._record(full=self.policy != REPLICATED or self.commit_every > 1)
 

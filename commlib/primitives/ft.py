@@ -29,16 +29,27 @@ _lock = threading.Lock()
 
 def _start() -> None:
     """At :func:`commlib.init` in fault-tolerant mode (collective over the world, every
-    rank alive): the control communicator and the failure watcher."""
-    global _ctl, _agreement
+    rank alive): the control communicator and the failure watcher. A process spawned by
+    :func:`grow` joins its parents' world here."""
+    global _ctl, _agreement, joined
     if not options.fault_tolerant or _ctl is not None:
         return
     if runtime._world_source is not None and runtime._world_source != MPI.COMM_WORLD:
         raise CommError(f"{where('init', MPI.COMM_WORLD.Get_rank())}: fault-tolerant mode "
                         f"needs commlib's world to be MPI_COMM_WORLD")
+    fault_tolerance.watcher()
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:  # a replacement: the survivors wait in grow()
+        joined = True
+        merged = parent.Merge(high=True)
+        _adopt_world(merged, runtime._world)
+        return
     _ctl = MPI.COMM_WORLD.Dup()
     _agreement = Agreement(_ctl)
-    fault_tolerance.watcher()
+
+
+#: Whether this process was spawned by :func:`grow` (it joined a running job).
+joined = False
 
 
 runtime.on_init(_start)
@@ -57,7 +68,8 @@ def agreement() -> Agreement:
 
 
 def _dead_or_left() -> frozenset[int]:
-    return fault_tolerance.dead() | exits.left_ranks()
+    w = fault_tolerance.watcher()
+    return w.dead | frozenset(w.to_base(exits.left_ranks()))
 
 
 class _Pending:
@@ -112,6 +124,47 @@ def shrink(comm: Communicator, value: Any = 0,
     if comm is runtime._world:
         runtime._world = new
     return new, decision
+
+
+def grow(comm: Communicator, n: int, command: str | None = None,
+         args: list[str] | None = None, info: dict | None = None) -> Communicator:
+    """Collective over ``comm`` (the world, every member alive): spawn ``n`` processes
+    running ``command args`` (default: this Python and ``sys.argv``: the same script)
+    with ``MPI_Comm_spawn`` (``info``: its ``MPI_Info`` keys, e.g. ``{"host": ...}``) and
+    merge them in after the members; the merged communicator is the world from then on
+    (ranks ``0..size-1``: the members in order, then the newcomers). The newcomers join in
+    their ``commlib.init()``. A failure meanwhile raises :class:`PeerFailure`."""
+    import sys
+    if comm is not runtime._world:
+        raise CommError(f"{where('grow', comm.rank)}: only the world grows (shrink it first)")
+    mpi_info = MPI.Info.Create()
+    for key, value in (info or {}).items():
+        mpi_info.Set(str(key), str(value))
+    try:
+        inter = fault_tolerance.in_thread(
+            comm.mpi, "Comm_spawn", MPI.Intracomm.Spawn, comm.mpi,
+            command or sys.executable, list(sys.argv if args is None else args), int(n),
+            mpi_info, 0)
+    finally:
+        mpi_info.Free()
+    merged = fault_tolerance.in_thread(comm.mpi, "Intercomm_merge", MPI.Intercomm.Merge,
+                                       inter, False)
+    return _adopt_world(merged, comm)
+
+
+def _adopt_world(merged: Any, old: Communicator) -> Communicator:
+    """``merged`` (survivors and newcomers, all alive) becomes the world: failure
+    detection counts in its ranks, a new control communicator, commlib's world."""
+    global _ctl, _agreement
+    fault_tolerance.watcher().rebase(merged)
+    _ctl = merged.Dup()
+    _agreement = Agreement(_ctl)
+    size = merged.Get_size()
+    name = f"world/grown{size}"
+    new = Communicator(fault_tolerance.adopt(merged, None, name), old.watchdog, name,
+                       tuple(range(size)))
+    runtime._world = new
+    return new
 
 
 def _ctl_ranks() -> list[int]:

@@ -103,6 +103,11 @@ class Group:
         survivors, who all call it (see :func:`shrink`)."""
         return shrink(self, value, timeout)
 
+    def grow(self, n: int, command: str | None = None, args: list[str] | None = None,
+             info: dict | None = None) -> "Group":
+        """Fault-tolerant mode, on the world: ``n`` new ranks join (see :func:`grow`)."""
+        return grow(n, self, command, args, info)
+
     def free(self) -> None:
         """Release the group's communicators (on every member, once it is no longer used);
         its collectives raise afterwards."""
@@ -210,6 +215,29 @@ def shrink(group: Group | None = None, value: Any = 0, timeout: float | None = N
     result = Group(new, decision.members, getattr(group, "hierarchical", False))
     result.agreement = decision
     return result
+
+
+def grow(n: int, group: Group | None = None, command: str | None = None,
+         args: list[str] | None = None, info: dict | None = None) -> Group:
+    """Collective over the world (every member alive; fault-tolerant mode, under
+    ``mpiexec``): ``n`` processes are spawned (``MPI_Comm_spawn``; default: this Python
+    running ``sys.argv``, i.e. the same script; ``info``: ``MPI_Info`` keys such as
+    ``{"host": "node3"}``) and merged in after the members: the returned group, of world
+    ranks ``0..size-1`` (the members in their order, then the newcomers), is the world from
+    then on. The newcomers join in their own ``commlib.init()`` (there
+    ``commlib.primitives.ft.joined`` is True) and must then take part in whatever the
+    members do next, e.g. receive the training state (``commlib.elastic.run`` does both).
+    A failure meanwhile raises :class:`~commlib.errors.PeerFailure`. Not survived
+    afterwards: the death of a spawned rank (hydra's ``mpiexec`` fails an assertion), and a
+    death seen only by the processes of the other MPI world (``MPIX_Comm_get_failed`` reads
+    each world's own list)."""
+    from . import ft
+    comm = (group or world()).comm
+    if comm is None:
+        raise ValueError(f"{where('grow', runtime.get_rank())}: this rank is not a member "
+                         f"of the group")
+    new = ft.grow(comm, n, command, args, info)
+    return Group(new, new.world_ranks, getattr(group, "hierarchical", False))
 
 
 def _check_ranks(ranks: list[int], parent_comm: Communicator, op: str, rank: int) -> None:
