@@ -23,6 +23,7 @@ from . import timeline  # registers its start at init() (COMMLIB_TIMELINE)
 from . import exits as _exits
 from . import mpi_env as _mpi_env
 from .torch_backend import hook as _torch_hook
+from . import integrations as _integrations
 
 # Under mpiexec: the exit paths armed (an exception aborts the job, a rank that leaves alone
 # ends it, MPICH's /dev/shm segments released; see commlib.exits), torch.distributed's
@@ -32,6 +33,7 @@ from .torch_backend import hook as _torch_hook
 _exits.arm_at_import()
 _mpi_env.publish()
 _torch_hook.install()
+_integrations.install()  # Lightning's "commlib" strategy, Accelerate's CPU environment
 
 __version__ = "0.1.0"
 

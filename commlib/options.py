@@ -94,6 +94,10 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
                       "buffers on MPI libraries that are not CUDA-aware (for testing)"),
 }
 
+# Read by `python -m commlib` (commlib.run.config), not options.
+RUNNER_VARIABLES = ("COMMLIB_ALGORITHM", "COMMLIB_ALGORITHM_CONFIG", "COMMLIB_BACKEND",
+                    "COMMLIB_SYNC_POINTS", "COMMLIB_RUN_VERBOSE")
+
 
 class Options:
     """Process-wide commlib options; unknown names raise ``AttributeError``.
@@ -116,7 +120,7 @@ class Options:
         from .launch.environment import VARIABLES as launch_variables
         known = {f[2] for f in _FIELDS.values()} | {"COMMLIB_TEST_MODE", *launch_variables}
         for var in env:
-            if var.startswith("COMMLIB_") and var not in known:
+            if var.startswith("COMMLIB_") and var not in known and var not in RUNNER_VARIABLES:
                 warnings.warn(f"unknown environment variable {var}; commlib reads "
                               f"{', '.join(sorted(known))}", stacklevel=2)
 

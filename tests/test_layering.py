@@ -19,7 +19,7 @@ LAYERS = [
     {"algorithms"},
     {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",
      "elastic"},
-    {"commlib", "examples", "info", "selftest"},
+    {"commlib", "examples", "info", "selftest", "run", "integrations", "__main__"},
 ]
 
 

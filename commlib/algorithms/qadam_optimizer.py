@@ -74,7 +74,10 @@ class QAdamOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # as torch's optimizers call it (step() is no_grad)
+                loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

@@ -59,6 +59,7 @@ class Engine:
             if item is None:
                 return
             _run(*item)
+            del item  # idle, keep nothing of the last job (it may hold its owner, a wrapper)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish queued jobs and stop the thread (idempotent); wait ``timeout`` seconds at

@@ -26,8 +26,14 @@ from .join import Join, TorchJoinHook, notify_torch_join
 COALESCE_BYTES = 64 << 20
 
 
-class DistributedDataParallel(torch.nn.Module, Joinable):
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """Data-parallel training over MPI with a pluggable communication algorithm.
+
+    A subclass of ``torch.nn.parallel.DistributedDataParallel`` (whose ``__init__`` it does
+    not run), so that ``isinstance`` checks in user code and frameworks (Accelerate's
+    ``unwrap_model``, Lightning's strategies, ``torch.distributed.checkpoint``) treat it as
+    torch's wrapper; every method frameworks call on torch's wrapper is provided here
+    (torch's private reducer API is not).
 
     Behaves like ``torch.nn.parallel.DistributedDataParallel`` and takes its arguments in
     its order (see :mod:`commlib.ddp.arguments` for how each is handled): wrap the model,
@@ -62,7 +68,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                  forward_sync_buffers: bool | None = None, *,
                  algorithm: str | Algorithm = "gradient_allreduce",
                  **algorithm_kwargs: Any) -> None:
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not torch DDP's __init__: nothing of it is used
         Joinable.__init__(self)
         self._torch_join_hook: TorchJoinHook | None = None
         arguments.check_module(module)
@@ -213,6 +219,30 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.algorithm = CommHookAlgorithm(state, hook, self.algorithm)
         self._hooks.algorithm = self.algorithm
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: ``False`` inside :meth:`no_sync` (read at ``forward``)."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """What torch DDP's logger reports, for the fields that apply here (frameworks
+        read it, e.g. Lightning's ``can_set_static_graph`` at teardown)."""
+        return {"module_name": type(self.module).__name__, "algorithm": self.algorithm.name,
+                "world_size": self.process_group.size, "find_unused_parameters":
+                self.find_unused_parameters, "static_graph": self.static_graph,
+                "can_set_static_graph": False}
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("commlib.DistributedDataParallel cannot be pickled or copied (it owns "
+                        "a communicator and a communication thread); copy or save .module")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise TypeError("commlib.DistributedDataParallel cannot be unpickled")
+
     def _set_static_graph(self) -> None:
         """torch's ``_set_static_graph()``: as ``static_graph=True`` at construction."""
         if self._ctx.step > 0:
@@ -346,14 +376,48 @@ def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
     def owns(optimizer: torch.optim.Optimizer) -> bool:
         return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
 
-    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before(optimizer: torch.optim.Optimizer) -> None:
         target = ref()
-        if target is not None and not target._closed and owns(optimizer):
+        if target is not None and not target._closed:
             target._optimizer_step(optimizer, before=True)
+
+    def closure_of(args: Any, kwargs: Any) -> Any:
+        # torch passes step()'s own arguments: (optimizer, closure) or closure=...
+        return kwargs.get("closure", args[1] if len(args) > 1 else None)
+
+    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        target = ref()
+        if target is None or target._closed or not owns(optimizer):
+            return None
+        closure = closure_of(args, kwargs)
+        if closure is None:
+            before(optimizer)
+            return None
+        # optimizer.step(closure) (Lightning, LBFGS): the closure's backward makes this
+        # step's gradients inside step(), so the algorithm's before-step work runs once the
+        # closure's first call returned (or raised: its collectives must still match the
+        # other ranks'), not before it, where it would act on the previous iteration.
+
+        def closure_then_before_step() -> Any:
+            try:
+                return closure()
+            finally:
+                if not closure_then_before_step._commlib_before_done:
+                    closure_then_before_step._commlib_before_done = True
+                    before(optimizer)
+
+        closure_then_before_step._commlib_before_done = False  # type: ignore[attr-defined]
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_before_step}
+        return (args[0], closure_then_before_step, *args[2:]), kwargs
 
     def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         target = ref()
         if target is not None and not target._closed and owns(optimizer):
+            closure = closure_of(args, kwargs)
+            if getattr(closure, "_commlib_before_done", True) is False:  # never called
+                closure._commlib_before_done = True
+                before(optimizer)
             target._optimizer_step(optimizer, before=False)
 
     return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]

@@ -6,13 +6,12 @@ imported, and otherwise puts a one-shot finder on ``sys.meta_path`` that registe
 after ``import torch`` finishes, so ``import commlib; import torch`` works as well as the
 other order, and numpy-only users never load torch.
 
-Why not torch's own ``torch.backends`` entry-point autoload (device-backend autoload,
-which would register the backend with no import in the user's script)? It runs in every
-process that imports torch in this environment, MPI or not: it would initialize MPI (what
-importing commlib does) in DataLoader workers, compile workers and tools, where an inherited
-MPI launcher environment can make MPI initialization hang or fail, and it would make every
-``import torch`` slower and fail whenever MPI is broken. Importing commlib is the explicit
-opt-in; it is already needed for the ``env://`` variables (:mod:`commlib.mpi_env`).
+torch's own ``torch.backends`` entry-point autoload (device-backend autoload) also registers
+the backend, for scripts that never import commlib: ``commlib_autoload`` (declared in
+pyproject.toml) runs in every process that imports torch, so it imports nothing of commlib
+and initializes no MPI; its creator imports commlib only when a commlib process group is
+created. This hook covers the processes where autoload is off
+(``TORCH_DEVICE_BACKEND_AUTOLOAD=0``) or the installed metadata predates the entry point.
 """
 from __future__ import annotations
 
