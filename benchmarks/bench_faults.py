@@ -10,7 +10,10 @@ itself in the middle of the backward of step ``--at``. Measured per run: seconds
 the kill (the victim's clock, the same host) to the next step completed by every
 survivor (max over survivors), the survivors' own recovery (PeerFailure caught to state
 restored), committed steps lost (steps missing from, or doubled in, the ledger the state
-carries: must be 0) and the steps run again (the step in flight at the kill).
+carries: must be 0) and the steps run again (the step in flight at the kill). With a
+replacement (``--replace yes``): the survivors spawn one on the dead rank's host and send it
+the state; the time is then to the first step completed by all ranks, the replacement
+included (it must start Python and import torch: most of that time).
 
 **Overhead.** Under ``mpiexec``, each rank trains two copies of bench_ddp's model (WideMLP
 784-1024x4-10, float32, batch 64, 25 MB buckets) with ``commlib.DistributedDataParallel``:
@@ -41,28 +44,75 @@ PROGRAM = os.path.join(TESTS, "elastic_train_program.py")
 WIDTHS = {"2MB": 500, "64MB": 2890}  # float64 MLP 16-w-w-4: about w*w parameters
 
 
-def recovery_run(n: int, model: str, steps: int, at: int, timeout: float) -> dict:
+def recovery_run(n: int, model: str, steps: int, at: int, timeout: float,
+                 replace: bool = False) -> dict:
     from elastic_common import results, run_job
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(n))
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as out:
         status, seconds, text, left = run_job(
             n, [PROGRAM, out, "--steps", str(steps), "--fault", "kill", "--victims",
                 str(n - 1), "--at", str(at), "--width", str(WIDTHS[model]),
-                "--bucket-mb", "25"], timeout, COMMLIB_TIMEOUT="120")
+                "--bucket-mb", "25"] + (["--replace"] if replace else []), timeout,
+            COMMLIB_TIMEOUT="120", ELASTIC_HOSTS=hosts)
         found = results(out)
         fault_path = os.path.join(out, f"fault{n - 1}.json")
-        if len(found) != n - 1 or not os.path.exists(fault_path) or left:
+        if len(found) != n - (0 if replace else 1) or not os.path.exists(fault_path) or left:
             return {"ok": False, "status": status, "tail": text[-1500:]}
         with open(fault_path) as f:
             killed = json.load(f)["time"]
     first_after = max(min(t for _, t in r["times"] if t > killed) for r in found.values())
+    if replace:
+        found = {k: v for k, v in found.items() if k != n - 1}  # the survivors' recovery
     ledger = next(iter(found.values()))["ledger"]
     lost = len({s for s, _ in ledger} ^ set(range(1, steps + 1))) + \
         (len(ledger) - len({s for s, _ in ledger}))
     rec = next(iter(found.values()))["recoveries"][0]
-    return {"ok": True, "ranks": n, "model": model, "kill_to_next_step_s": first_after - killed,
+    return {"ok": True, "ranks": n, "model": model, "replace": replace,
+            "kill_to_next_step_s": first_after - killed,
             "recovery_s": max(r["recoveries"][0]["seconds"] for r in found.values()),
             "committed_steps_lost": lost, "agreed_step": rec["step"],
             "steps_rerun": at + 1 - rec["step"], "job_s": seconds}
+
+
+# Fault kinds of the exactness runs: program arguments (4 ranks, one proxy per rank).
+KINDS = {"kill": ["--fault", "kill"], "exit": ["--fault", "exit"],
+         "two": ["--fault", "kill", "--victims", "3,2", "--at", "8,16"],
+         "lag": ["--fault", "lag"]}
+
+
+def exactness_runs(kind: str, runs: int, steps: int, timeout: float,
+                   references: dict) -> list[dict]:
+    """``runs`` jobs of fault ``kind`` at 4 ranks: each must finish on the survivors with
+    every step applied once and parameters bit for bit those of the reference run that
+    shrinks at the agreed steps (one reference job per distinct agreement, cached)."""
+    import numpy as np
+
+    from elastic_common import reference_args, results, run_job
+    out_runs = []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix="bench-faults-") as out:
+            status, seconds, text, left = run_job(
+                4, [PROGRAM, out, "--steps", str(steps)] + KINDS[kind], timeout,
+                COMMLIB_TIMEOUT="120")
+            found = results(out)
+        ok = bool(found) and not left and all(
+            [s for s, _ in r["ledger"]] == list(range(1, steps + 1)) for r in found.values())
+        agreed = reference_args(found) if ok else None
+        if ok and agreed not in references:
+            with tempfile.TemporaryDirectory(prefix="bench-faults-ref-") as ref_dir:
+                code, _, _, _ = run_job(4, [PROGRAM, ref_dir, "--steps", str(steps),
+                                            "--victims", agreed[0], "--reference",
+                                            agreed[1]], timeout, COMMLIB_TIMEOUT="120")
+                references[agreed] = results(ref_dir) if code == 0 else {}
+        exact = ok and all(
+            rank in references[agreed] and np.array_equal(
+                np.frombuffer(bytes.fromhex(r["params"])),
+                np.frombuffer(bytes.fromhex(references[agreed][rank]["params"])))
+            for rank, r in found.items())
+        out_runs.append({"kind": kind, "ok": ok, "exact": exact, "status": status,
+                         "survivors": sorted(found), "agreed": agreed, "job_s": seconds,
+                         "tail": "" if exact else text[-1500:]})
+    return out_runs
 
 
 # -- overhead (runs under mpiexec) ------------------------------------------------------------
@@ -148,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-steps", type=int, default=30)
     p.add_argument("--skip-recovery", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--replace", default="no,yes", help="with a replacement joining: no,yes")
+    p.add_argument("--exactness", type=int, default=0, metavar="RUNS",
+                   help="also RUNS jobs per fault kind, each checked bit for bit")
+    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds of --exactness")
     p.add_argument("--json")
     # overhead worker (under mpiexec)
     p.add_argument("--overhead-worker", action="store_true", help=argparse.SUPPRESS)
@@ -161,26 +215,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead_worker:
         overhead_worker(args)
         return 0
-    report: dict = {"recovery": [], "overhead": []}
+    report: dict = {"recovery": [], "overhead": [], "exactness": []}
+    if args.exactness:
+        print("| fault (4 ranks) | runs | survivors finished | exact as the reference |")
+        print("|---|---|---|---|")
+        references: dict = {}
+        for kind in args.kinds.split(","):
+            runs = exactness_runs(kind, args.exactness, 30, args.timeout, references)
+            report["exactness"] += runs
+            print(f"| {kind} | {len(runs)} | {sum(r['ok'] for r in runs)} | "
+                  f"{sum(r['exact'] for r in runs)} |", flush=True)
+            for r in runs:
+                if not r["exact"]:
+                    print(f"  run not exact: status {r['status']}: {r['tail'][-400:]}")
     if not args.skip_recovery:
-        print("| ranks | model | runs ok | kill -> next step (s) | recovery (s) | "
-              "committed steps lost | steps re-run |")
-        print("|---|---|---|---|---|---|---|")
-        for n in [int(v) for v in args.ranks.split(",")]:
-            for model in args.models.split(","):
-                runs = [recovery_run(n, model, args.steps, args.at, args.timeout)
-                        for _ in range(args.runs)]
-                report["recovery"] += runs
-                ok = [r for r in runs if r["ok"]]
-                span = (lambda k: f"{min(r[k] for r in ok):.2f}-{max(r[k] for r in ok):.2f}"
-                        if ok else "-")
-                print(f"| {n} | {model} | {len(ok)}/{len(runs)} | {span('kill_to_next_step_s')} "
-                      f"| {span('recovery_s')} | "
-                      f"{sorted({r['committed_steps_lost'] for r in ok})} | "
-                      f"{sorted({r['steps_rerun'] for r in ok})} |", flush=True)
-                for r in runs:
-                    if not r["ok"]:
-                        print(f"  failed run: status {r['status']}: {r['tail'][-400:]}")
+        print("| ranks | model | replacement | runs ok | kill -> next step on all (s) | "
+              "survivors' recovery (s) | committed steps lost | steps re-run |")
+        print("|---|---|---|---|---|---|---|---|")
+        cells = [(n, model, rep == "yes") for rep in args.replace.split(",")
+                 for n in [int(v) for v in args.ranks.split(",")]
+                 for model in args.models.split(",")]
+        for n, model, replace in cells:
+            runs = [recovery_run(n, model, args.steps, args.at, args.timeout, replace)
+                    for _ in range(args.runs)]
+            report["recovery"] += runs
+            ok = [r for r in runs if r["ok"]]
+            span = (lambda k: f"{min(r[k] for r in ok):.2f}-{max(r[k] for r in ok):.2f}"
+                    if ok else "-")
+            print(f"| {n} | {model} | {'joins' if replace else 'none'} | {len(ok)}/{len(runs)} "
+                  f"| {span('kill_to_next_step_s')} "
+                  f"| {span('recovery_s')} | "
+                  f"{sorted({r['committed_steps_lost'] for r in ok})} | "
+                  f"{sorted({r['steps_rerun'] for r in ok})} |", flush=True)
+            for r in runs:
+                if not r["ok"]:
+                    print(f"  failed run: status {r['status']}: {r['tail'][-400:]}")
     if not args.skip_overhead:
         print("\n| ranks | launch | blocking step (ms) | fault-tolerant step (ms) | ratio |")
         print("|---|---|---|---|---|")

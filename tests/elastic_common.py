@@ -16,20 +16,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def per_rank_hosts(n: int) -> list[str]:
+def per_rank_hosts(n: int, keep_running: bool = True) -> list[str]:
     """``mpiexec`` options giving each of ``n`` ranks a hydra proxy of its own (each its own
-    "node"), so that one rank can die alone, and the launcher keeps the others running."""
+    "node"), so that one rank can die alone, and (``keep_running``:
+    ``-disable-auto-cleanup``) the launcher keeps the others running."""
     hosts = ",".join(f"127.0.0.{i + 1}" for i in range(n))
-    return ["-launcher", "fork", "-hosts", hosts, "-ppn", "1", "-disable-auto-cleanup"]
+    return ["-launcher", "fork", "-hosts", hosts, "-ppn", "1"] + \
+        (["-disable-auto-cleanup"] if keep_running else [])
 
 
 def run_job(n: int, argv: list[str], timeout: float, per_rank: bool = True,
-            **env: str | None) -> tuple[int, float, str, list[int]]:
+            keep_running: bool = True, **env: str | None) -> tuple[int, float, str, list[int]]:
     """Run ``mpiexec [per-rank options] -n n python argv...`` in a session of its own with
     an outer timeout. Returns (status, seconds, output, pids of the session still alive
-    afterwards); a job past ``timeout`` is killed (whole session) and reported as -9."""
-    cmd = [mpiexec()] + (per_rank_hosts(n) if per_rank else []) + ["-n", str(n),
-                                                                  sys.executable] + argv
+    afterwards); a job past ``timeout`` is killed (whole session) and reported as -9.
+    ``keep_running=False`` (jobs without failures, e.g. references): without
+    ``-disable-auto-cleanup``, under which hydra now and then ends a job whose ranks all
+    exited 0 with status 255 (it tells the other proxies of each exit and one had gone:
+    "unable to send SIGUSR1 downstream")."""
+    cmd = [mpiexec()] + (per_rank_hosts(n, keep_running) if per_rank else []) + \
+        ["-n", str(n), sys.executable] + argv
     env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
     start = time.monotonic()
     # restore_signals=False: SIGPIPE stays ignored in mpiexec, which otherwise dies of it

@@ -5,7 +5,7 @@ Usage::
 
     python elastic_train_program.py OUTDIR [--algorithm A] [--steps N] [--fault F]
         [--victims R1[,R2]] [--at K1[,K2]] [--skip-agreement] [--reference C1[,C2]]
-        [--width W] [--no-ft]
+        [--width W] [--no-ft] [--scale-lr] [--min-ranks M] [--scenarios JSON]
 
 A float64 MLP trained with SGD with momentum through ``commlib.elastic`` (``State``,
 ``run``, ``ElasticSampler``: the global batch of 24 samples of each step is split over the
@@ -24,8 +24,13 @@ ranks alive). Fault ``F`` on victim ``R_i`` at step ``K_i``:
 
 ``--reference C1[,C2]``: no fault tolerance, no failure: the same training, with the
 victims leaving voluntarily after the committed steps ``C_i`` and the others going on
-over a group of the remaining ranks (made with ``new_group``), rewrapped as ``run`` does:
-the run the survivors must match exactly.
+over a group of the remaining ranks (made with ``new_group``), rewrapped as ``run`` does
+(and the learning rate scaled as ``run`` scales it with ``--scale-lr``): the run the
+survivors must match exactly. ``--scenarios JSON``: several such references in one job
+(a list of ``{"name", "algorithm", "victims", "steps", "scale_lr"}``; no victims: the run
+without failure), one after the other from the initial model, each written to
+``OUTDIR/<name>/`` (one job instead of one per reference: most of a job is startup).
+``--scale-lr``, ``--min-ranks M``: ``State(scale_lr=True)``, ``run(min_ranks=M)``.
 
 Every rank writes ``OUTDIR/shm{r}.json`` (its MPICH segments); every rank that finishes
 writes ``OUTDIR/rank{r}.json``: final step, the state's ledger (the group size that applied
@@ -63,6 +68,10 @@ parser.add_argument("--no-ft", action="store_true")
 parser.add_argument("--bucket-mb", type=float, default=0.005)
 parser.add_argument("--replace", action="store_true",
                     help="spawn a replacement for each dead rank, on its host")
+parser.add_argument("--scale-lr", action="store_true", help="State(scale_lr=True)")
+parser.add_argument("--min-ranks", type=int, default=1, help="run(min_ranks=...)")
+parser.add_argument("--scenarios", default="",
+                    help="JSON list of references to train one after the other")
 args = parser.parse_args()
 
 if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
@@ -71,7 +80,8 @@ if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that 
 torch.set_default_dtype(torch.float64)
 torch.set_num_threads(1)
 reference = [int(c) for c in args.reference.split(",") if c]
-commlib.init(fault_tolerant=not (reference or args.no_ft))
+scenarios = json.loads(args.scenarios) if args.scenarios else []
+commlib.init(fault_tolerant=not (reference or scenarios or args.no_ft))
 me = commlib.get_rank()
 n0 = commlib.get_world_size()
 write_shm(args.outdir, me)
@@ -99,12 +109,33 @@ def make_model() -> torch.nn.Module:
                                torch.nn.Linear(w, 4))
 
 
-model = make_model()
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-sampler = elastic.ElasticSampler(LENGTH, BATCH, seed=7)
-state = elastic.State(model, optimizer, sampler, ledger=[])
-times: list[tuple[int, float]] = []
-fault_hook: list = []
+class Training:
+    """One training from the initial model: model, optimizer, sampler, elastic state."""
+
+    def __init__(self, algorithm: str, scale_lr: bool) -> None:
+        self.algorithm = algorithm
+        self.model = make_model()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.sampler = elastic.ElasticSampler(LENGTH, BATCH, seed=7)
+        self.state = elastic.State(self.model, self.optimizer, self.sampler, ledger=[],
+                                   scale_lr=scale_lr)
+        self.times: list[tuple[int, float]] = []
+
+    def write(self, outdir: str) -> None:
+        params = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        st = self.state
+        with open(os.path.join(outdir, f"rank{me}.json"), "w") as f:
+            json.dump({"rank": me, "step": st.step, "ledger": st.ledger,
+                       "recoveries": [{k: (v if k != "values" else
+                                           {str(a): b for a, b in v.items()})
+                                       for k, v in r.items()} for r in st.recoveries],
+                       "params": params.numpy().tobytes().hex(), "times": self.times,
+                       "size": st.group.size, "world": n0,
+                       "lr": self.optimizer.param_groups[0]["lr"]}, f)
+
+
+run = Training(args.algorithm, args.scale_lr)
+state = run.state  # the main training's (the fault's record names its step)
 
 
 def record_fault(kind: str) -> None:
@@ -122,15 +153,16 @@ def die(kind: str) -> None:
         sys.exit(0)
 
 
-def wrap(st: elastic.State) -> commlib.DistributedDataParallel:
-    return st.wrap(algorithm=args.algorithm, bucket_cap_mb=args.bucket_mb,
-                   **KWARGS.get(args.algorithm, {}))
+def wrap(tr: Training) -> commlib.DistributedDataParallel:
+    return tr.state.wrap(algorithm=tr.algorithm, bucket_cap_mb=args.bucket_mb,
+                         **KWARGS.get(tr.algorithm, {}))
 
 
-def one_step(st: elastic.State, ddp) -> None:
+def one_step(tr: Training, ddp, faults: bool = True) -> None:
+    st = tr.state
     step, group = st.step, st.group
-    idx = sampler.indices(step, group.rank, group.size)
-    fault = plan.get(me) == step and args.fault
+    idx = tr.sampler.indices(step, group.rank, group.size)
+    fault = faults and plan.get(me) == step and args.fault
     out = ddp(X[idx])
     if fault in ("kill", "exit"):
         hidden = out.grad_fn.next_functions[1][0]  # dies mid-backward, buckets in flight
@@ -139,69 +171,85 @@ def one_step(st: elastic.State, ddp) -> None:
     loss.backward()
     if fault == "lag":
         die("lag")
-    if args.fault == "lag" and me == 1 and step == plan.get(victims[0]) and \
+    if faults and args.fault == "lag" and me == 1 and step == plan.get(victims[0]) and \
             not getattr(st, "_lagged", False):
         st.__dict__["_lagged"] = True
         while victims[0] not in commlib.fault_tolerance.dead():
             time.sleep(0.005)
         raise commlib.PeerFailure("injected: this rank acts as if its exchange failed",
                                   failed=[victims[0]])
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    tr.optimizer.step()
+    tr.optimizer.zero_grad(set_to_none=True)
     st.ledger.append([step + 1, group.size])
     st.commit()
-    times.append((st.step, time.time()))
+    tr.times.append((st.step, time.time()))
 
 
 def train(st: elastic.State) -> None:
-    ddp = wrap(st)
+    ddp = wrap(run)
     while st.step < args.steps:
         if plan.get(me) == st.step and args.fault == "sysexit":
             die("sysexit")
-        one_step(st, ddp)
+        one_step(run, ddp)
 
 
-def train_reference() -> None:
-    """The same steps without faults; the victims leave after the agreed steps."""
-    state.__dict__["group"] = commlib.world()
-    ddp = wrap(state)
+def train_reference(tr: Training, gone: list[int], at: list[int]) -> bool:
+    """The same steps without faults; ranks ``gone`` leave after the committed steps
+    ``at`` (as run() shrinks, and with the learning rate scaled as run() scales it).
+    Returns whether this rank trained to the end."""
+    st = tr.state
+    st.__dict__["group"] = commlib.world()
+    ddp = wrap(tr)
     alive = list(range(n0))
-    marks = list(zip(reference, victims))
-    while state.step < args.steps:
-        while marks and state.step == marks[0][0]:
+    marks = list(zip(at, gone))
+    while st.step < args.steps:
+        while marks and st.step == marks[0][0]:
             _, victim = marks.pop(0)
-            if args.algorithm == "local_sgd":
+            if tr.algorithm == "local_sgd":
                 ddp._start_iteration(reset=False)  # the average of the last step, as run()
             algo = ddp.algorithm.state_dict()
+            old = len(alive)
             alive.remove(victim)
-            group = commlib.new_group(alive, parent=state.group)
+            group = commlib.new_group(alive, parent=st.group)
             if me == victim:
-                return
-            state.close_wrapper()
-            state.drop_gradients()
-            state.__dict__["group"] = group
-            if args.algorithm != "gradient_allreduce":
-                state.__dict__["_algorithm_state"] = algo
-            ddp = wrap(state)
-        one_step(state, ddp)
+                tr.state.close_wrapper()
+                return False
+            st.close_wrapper()
+            st.drop_gradients()
+            st.__dict__["group"] = group
+            if tr.algorithm != "gradient_allreduce":
+                st.__dict__["_algorithm_state"] = algo
+            if st.scale_lr:
+                for param_group in tr.optimizer.param_groups:
+                    param_group["lr"] *= len(alive) / old
+            ddp = wrap(tr)
+        one_step(tr, ddp, faults=False)
+    st.close_wrapper()
+    return True
 
 
+def parse(spec: str) -> list[int]:
+    return [int(c) for c in spec.split(",") if c]
+
+
+if scenarios:  # several references in one job, each in OUTDIR/<name>/
+    for sc in scenarios:
+        tr = Training(sc.get("algorithm", args.algorithm), bool(sc.get("scale_lr")))
+        sub = os.path.join(args.outdir, sc["name"])
+        os.makedirs(sub, exist_ok=True)
+        if train_reference(tr, parse(sc.get("victims", "")), parse(sc.get("steps", ""))):
+            tr.write(sub)
+        commlib.barrier()
+    sys.exit(0)
 if reference:
-    train_reference()
-    if me in victims:  # stays until the end (a rank leaving early upsets hydra's proxies)
+    finished = train_reference(run, victims, reference)
+    if not finished:  # stays until the end (a rank leaving early upsets hydra's proxies)
         commlib.barrier()
         sys.exit(0)
 else:
     hosts = os.environ.get("ELASTIC_HOSTS", "").split(",")  # a dead rank's host, if known
-    elastic.run(train, state, replace=args.replace,
+    elastic.run(train, state, replace=args.replace, min_ranks=args.min_ranks,
                 spawn_info=lambda dead: {"host": hosts[dead[0]]} if hosts[0] else None)
-
-params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-with open(os.path.join(args.outdir, f"rank{me}.json"), "w") as f:
-    json.dump({"rank": me, "step": state.step, "ledger": state.ledger,
-               "recoveries": [{k: (v if k != "values" else {str(a): b for a, b in v.items()})
-                               for k, v in r.items()} for r in state.recoveries],
-               "params": params.numpy().tobytes().hex(), "times": times,
-               "size": state.group.size, "world": n0}, f)
+run.write(args.outdir)
 if reference:
     commlib.barrier()
