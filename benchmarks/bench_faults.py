@@ -15,6 +15,12 @@ replacement (``--replace yes``): the survivors spawn one on the dead rank's host
 the state; the time is then to the first step completed by all ranks, the replacement
 included (it must start Python and import torch: most of that time).
 
+**Exactness** (``--exactness RUNS``): ``RUNS`` 4-rank jobs per fault kind (``kill``,
+``exit``: one rank mid-backward; ``two``: two successive kills; ``lag``: the survivors one
+step apart; ``KIND:ALGORITHM`` with another algorithm), each checked as the tests check:
+every survivor finishes, every step applied once, parameters bit for bit those of the
+reference that shrinks at the agreed steps.
+
 **Overhead.** Under ``mpiexec``, each rank trains two copies of bench_ddp's model (WideMLP
 784-1024x4-10, float32, batch 64, 25 MB buckets) with ``commlib.DistributedDataParallel``:
 one over a fault-tolerant group (every collective nonblocking, waits interruptible), one
@@ -88,26 +94,30 @@ def exactness_runs(kind: str, runs: int, steps: int, timeout: float,
     import numpy as np
 
     from elastic_common import reference_args, results, run_job
+    fault, _, algorithm = kind.partition(":")  # e.g. "kill:bytegrad"
+    extra = KINDS[fault] + (["--algorithm", algorithm] if algorithm else [])
     out_runs = []
     for _ in range(runs):
         with tempfile.TemporaryDirectory(prefix="bench-faults-") as out:
             status, seconds, text, left = run_job(
-                4, [PROGRAM, out, "--steps", str(steps)] + KINDS[kind], timeout,
+                4, [PROGRAM, out, "--steps", str(steps)] + extra, timeout,
                 COMMLIB_TIMEOUT="120")
             found = results(out)
         ok = bool(found) and not left and all(
             [s for s, _ in r["ledger"]] == list(range(1, steps + 1)) for r in found.values())
         agreed = reference_args(found) if ok else None
-        if ok and agreed not in references:
+        key = (algorithm, agreed)
+        if ok and key not in references:
             with tempfile.TemporaryDirectory(prefix="bench-faults-ref-") as ref_dir:
                 code, _, _, _ = run_job(4, [PROGRAM, ref_dir, "--steps", str(steps),
                                             "--victims", agreed[0], "--reference",
-                                            agreed[1]], timeout, COMMLIB_TIMEOUT="120")
-                references[agreed] = results(ref_dir) if code == 0 else {}
+                                            agreed[1]] + extra[len(KINDS[fault]):],
+                                        timeout, keep_running=False, COMMLIB_TIMEOUT="120")
+                references[key] = results(ref_dir) if code == 0 else {}
         exact = ok and all(
-            rank in references[agreed] and np.array_equal(
+            rank in references[key] and np.array_equal(
                 np.frombuffer(bytes.fromhex(r["params"])),
-                np.frombuffer(bytes.fromhex(references[agreed][rank]["params"])))
+                np.frombuffer(bytes.fromhex(references[key][rank]["params"])))
             for rank, r in found.items())
         out_runs.append({"kind": kind, "ok": ok, "exact": exact, "status": status,
                          "survivors": sorted(found), "agreed": agreed, "job_s": seconds,
@@ -201,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replace", default="no,yes", help="with a replacement joining: no,yes")
     p.add_argument("--exactness", type=int, default=0, metavar="RUNS",
                    help="also RUNS jobs per fault kind, each checked bit for bit")
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds of --exactness")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="fault kinds of --exactness, each KIND or KIND:ALGORITHM")
     p.add_argument("--json")
     # overhead worker (under mpiexec)
     p.add_argument("--overhead-worker", action="store_true", help=argparse.SUPPRESS)
