@@ -67,6 +67,9 @@ def recovery_run(n: int, model: str, steps: int, at: int, timeout: float,
         with open(fault_path) as f:
             killed = json.load(f)["time"]
     first_after = max(min(t for _, t in r["times"] if t > killed) for r in found.values())
+    before = [t for _, t in found[0]["times"] if t < killed]  # rank 0 survives
+    step_s = statistics.median(b - a for a, b in zip(before, before[1:])) \
+        if len(before) > 2 else float("nan")
     if replace:
         found = {k: v for k, v in found.items() if k != n - 1}  # the survivors' recovery
     ledger = next(iter(found.values()))["ledger"]
@@ -74,7 +77,7 @@ def recovery_run(n: int, model: str, steps: int, at: int, timeout: float,
         (len(ledger) - len({s for s, _ in ledger}))
     rec = next(iter(found.values()))["recoveries"][0]
     return {"ok": True, "ranks": n, "model": model, "replace": replace,
-            "kill_to_next_step_s": first_after - killed,
+            "kill_to_next_step_s": first_after - killed, "step_s": step_s,
             "recovery_s": max(r["recoveries"][0]["seconds"] for r in found.values()),
             "committed_steps_lost": lost, "agreed_step": rec["step"],
             "steps_rerun": at + 1 - rec["step"], "job_s": seconds}
@@ -241,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  run not exact: status {r['status']}: {r['tail'][-400:]}")
     if not args.skip_recovery:
         print("| ranks | model | replacement | runs ok | kill -> next step on all (s) | "
-              "survivors' recovery (s) | committed steps lost | steps re-run |")
-        print("|---|---|---|---|---|---|---|---|")
+              "survivors' recovery (s) | a step before the kill (s) | committed steps lost "
+              "| steps re-run |")
+        print("|---|---|---|---|---|---|---|---|---|")
         cells = [(n, model, rep == "yes") for rep in args.replace.split(",")
                  for n in [int(v) for v in args.ranks.split(",")]
                  for model in args.models.split(",")]
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     if ok else "-")
             print(f"| {n} | {model} | {'joins' if replace else 'none'} | {len(ok)}/{len(runs)} "
                   f"| {span('kill_to_next_step_s')} "
-                  f"| {span('recovery_s')} | "
+                  f"| {span('recovery_s')} | {span('step_s')} | "
                   f"{sorted({r['committed_steps_lost'] for r in ok})} | "
                   f"{sorted({r['steps_rerun'] for r in ok})} |", flush=True)
             for r in runs:
