@@ -21,6 +21,8 @@ from ..options import options
 
 #: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
 CREATE_TAG_BASE = 1000
+#: Tries of ``MPI_Comm_spawn`` in :func:`grow` before it raises.
+SPAWN_ATTEMPTS = 3
 
 _ctl: Any = None
 _agreement: Agreement | None = None
@@ -135,16 +137,29 @@ def grow(comm: Communicator, n: int, command: str | None = None,
     (ranks ``0..size-1``: the members in order, then the newcomers). The newcomers join in
     their ``commlib.init()``. A failure meanwhile raises :class:`PeerFailure`."""
     import sys
+    import time
     if comm is not runtime._world:
         raise CommError(f"{where('grow', comm.rank)}: only the world grows (shrink it first)")
     mpi_info = MPI.Info.Create()
     for key, value in (info or {}).items():
         mpi_info.Set(str(key), str(value))
     try:
-        inter = fault_tolerance.in_thread(
-            comm.mpi, "Comm_spawn", MPI.Intracomm.Spawn, comm.mpi,
-            command or sys.executable, list(sys.argv if args is None else args), int(n),
-            mpi_info, 0)
+        for attempt in range(SPAWN_ATTEMPTS):
+            try:
+                inter = fault_tolerance.in_thread(
+                    comm.mpi, "Comm_spawn", MPI.Intracomm.Spawn, comm.mpi,
+                    command or sys.executable, list(sys.argv if args is None else args),
+                    int(n), mpi_info, 0)
+                break
+            except MPI.Exception as exc:
+                # hydra refuses a spawn now and then right after a death ("Error in spawn
+                # call", 2 of 8 benchmark runs); MPICH tells every member (the root's
+                # result is broadcast), so all retry alike.
+                if attempt == SPAWN_ATTEMPTS - 1:
+                    raise CommError(f"{where('grow', comm.rank)}: MPI_Comm_spawn of {n} "
+                                    f"rank(s) failed {SPAWN_ATTEMPTS} times: "
+                                    f"{exc.Get_error_string()}") from exc
+                time.sleep(0.2 * (attempt + 1))
     finally:
         mpi_info.Free()
     merged = fault_tolerance.in_thread(comm.mpi, "Intercomm_merge", MPI.Intercomm.Merge,
