@@ -192,3 +192,62 @@ def run_store_job(n: int, argv: list[str], timeout: float,
         except ProcessLookupError:
             pass
     return codes, seconds, "".join(outs), left
+
+
+# -- references of elastic_train_program.py jobs (test_elastic, test_elastic_store) ----------
+
+TRAIN_PROGRAM = os.path.join(HERE, "elastic_train_program.py")
+TRAIN_STEPS = 30
+#: The references the tests need when the survivors agree as expected (algorithm, victims,
+#: agreed steps, scale_lr); the first test that needs one trains them all in one job
+#: (``--scenarios``: a job is mostly startup). Another agreement gets a job of its own.
+PLANNED = [("gradient_allreduce", "3", "12", True), ("gradient_allreduce", "3", "12", False),
+           ("gradient_allreduce", "3", "13", False),
+           ("gradient_allreduce", "3,2", "8,16", False),
+           ("decentralized", "3", "12", False), ("local_sgd", "3", "12", False),
+           ("gradient_allreduce", "3,2", "12,12", False), ("gradient_allreduce", "", "", False)]
+_references: dict[tuple, dict[int, dict]] = {}
+
+
+def params(result: dict):
+    """A result's final parameters (float64)."""
+    import numpy as np
+    return np.frombuffer(bytes.fromhex(result["params"]))
+
+
+def _planned(tmp_path_factory, n: int, timeout: float) -> None:
+    out_dir = tmp_path_factory.mktemp("references")
+    scenarios = [{"name": f"s{i}", "algorithm": a, "victims": v, "steps": s, "scale_lr": lr}
+                 for i, (a, v, s, lr) in enumerate(PLANNED)]
+    status, _, out, left = run_job(n, [TRAIN_PROGRAM, str(out_dir), "--steps",
+                                       str(TRAIN_STEPS), "--scenarios", json.dumps(scenarios)],
+                                   timeout, keep_running=False, COMMLIB_TIMEOUT="60")
+    assert status == 0 and not left, f"references failed ({status})\n{out[-3000:]}"
+    for i, key in enumerate(PLANNED):
+        _references[key + (None,)] = results(str(out_dir / f"s{i}"))
+
+
+def reference(tmp_path_factory, algorithm: str, victims: str, steps: str,
+              scale_lr: bool = False, cluster=None, n: int = 4,
+              timeout: float = 150) -> dict[int, dict]:
+    """The results of the ``n``-rank run without fault tolerance in which ranks ``victims``
+    leave after the committed ``steps`` (``--reference``), one proxy per rank, or on the
+    ``netsim`` ``cluster``; cached for the session."""
+    key = (algorithm, victims, steps, scale_lr,
+           None if cluster is None else (cluster.nodes, cluster.ranks_per_node))
+    if cluster is None and n == 4 and key[:4] in PLANNED and key not in _references:
+        _planned(tmp_path_factory, n, timeout)
+    if key not in _references:
+        out_dir = tmp_path_factory.mktemp("reference")
+        argv = [TRAIN_PROGRAM, str(out_dir), "--steps", str(TRAIN_STEPS), "--victims",
+                victims, "--reference", steps, "--algorithm", algorithm] + \
+            (["--scale-lr"] if scale_lr else [])
+        if cluster is None:
+            status, _, out, left = run_job(n, argv, timeout, keep_running=False,
+                                           COMMLIB_TIMEOUT="60")
+        else:
+            status, _, out, left = run_cluster_job(cluster, argv, timeout,
+                                                   COMMLIB_TIMEOUT="60")
+        assert status == 0 and not left, f"reference {key} failed ({status})\n{out[-3000:]}"
+        _references[key] = results(str(out_dir))
+    return _references[key]

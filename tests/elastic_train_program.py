@@ -46,7 +46,6 @@ import signal
 import sys
 import time
 
-import numpy as np
 import torch
 
 import commlib

@@ -30,15 +30,14 @@ Cost: a job is mostly startup (4 processes importing torch and building an optim
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import numpy as np
 import pytest
 
-from elastic_common import (HERE, ROOT, leftover_shm, reference_args, results,
-                            run_cluster_job, run_job)
+from elastic_common import (HERE, ROOT, leftover_shm, params, reference, reference_args,
+                            results, run_cluster_job, run_job)
 from helpers import serial_only
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -49,55 +48,6 @@ N = 4
 STEPS = 30
 OUTER_S = 150
 pytestmark = [serial_only, pytest.mark.timeout(900)]
-# The references the tests below need when the survivors agree as expected (algorithm,
-# victims, agreed steps, scale_lr); the first test that needs one trains them all in one
-# job (--scenarios: a job is mostly startup). Another agreement gets a job of its own.
-PLANNED = [("gradient_allreduce", "3", "12", True), ("gradient_allreduce", "3", "12", False),
-           ("gradient_allreduce", "3", "13", False),
-           ("gradient_allreduce", "3,2", "8,16", False),
-           ("decentralized", "3", "12", False), ("local_sgd", "3", "12", False),
-           ("gradient_allreduce", "3,2", "12,12", False), ("gradient_allreduce", "", "", False)]
-_references: dict[tuple, dict[int, dict]] = {}
-
-
-def params(result: dict) -> np.ndarray:
-    return np.frombuffer(bytes.fromhex(result["params"]))
-
-
-def _planned(tmp_path_factory) -> None:
-    out_dir = tmp_path_factory.mktemp("references")
-    scenarios = [{"name": f"s{i}", "algorithm": a, "victims": v, "steps": s, "scale_lr": lr}
-                 for i, (a, v, s, lr) in enumerate(PLANNED)]
-    status, _, out, left = run_job(N, [PROGRAM, str(out_dir), "--steps", str(STEPS),
-                                       "--scenarios", json.dumps(scenarios)], OUTER_S,
-                                   keep_running=False, COMMLIB_TIMEOUT="60")
-    assert status == 0 and not left, f"references failed ({status})\n{out[-3000:]}"
-    for i, key in enumerate(PLANNED):
-        _references[key + (None,)] = results(str(out_dir / f"s{i}"))
-
-
-def reference(tmp_path_factory, algorithm: str, victims: str, steps: str,
-              scale_lr: bool = False, cluster=None) -> dict[int, dict]:
-    key = (algorithm, victims, steps, scale_lr,
-           None if cluster is None else (cluster.nodes, cluster.ranks_per_node))
-    if cluster is None and key[:4] in PLANNED and key not in _references:
-        _planned(tmp_path_factory)
-    if key not in _references:
-        out_dir = tmp_path_factory.mktemp("reference")
-        argv = [PROGRAM, str(out_dir), "--steps", str(STEPS), "--victims", victims,
-                "--reference", steps, "--algorithm", algorithm] + \
-            (["--scale-lr"] if scale_lr else [])
-        if cluster is None:
-            status, _, out, left = run_job(N, argv, OUTER_S, keep_running=False,
-                                           COMMLIB_TIMEOUT="60")
-        else:
-            status, _, out, left = run_cluster_job(cluster, argv, OUTER_S,
-                                                   COMMLIB_TIMEOUT="60")
-        assert status == 0 and not left, f"reference {key} failed ({status})\n{out[-3000:]}"
-        _references[key] = results(str(out_dir))
-    return _references[key]
-
-
 def check(tmp_path, tmp_path_factory, survivors: list[int], recoveries: int, status: int,
           out: str, left: list[int], algorithm: str = "gradient_allreduce",
           scale_lr: bool = False, cluster=None) -> dict[int, dict]:
