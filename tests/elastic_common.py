@@ -9,8 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 from helpers import clean_env, mpiexec
+
+#: The variable that marks every process of a job (:func:`tag_job`).
+JOB_TAG = "ELASTIC_TEST_JOB"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -37,43 +41,82 @@ def run_job(n: int, argv: list[str], timeout: float, per_rank: bool = True,
     cmd = [mpiexec()] + (per_rank_hosts(n, keep_running) if per_rank else []) + \
         ["-n", str(n), sys.executable] + argv
     env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
+    full = clean_env(**env)
+    tag = tag_job(full)
     start = time.monotonic()
     # restore_signals=False: SIGPIPE stays ignored in mpiexec, which otherwise dies of it
     # now and then at the end of a job with one proxy per rank (a write to a proxy whose
     # rank had just ended).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=clean_env(**env), start_new_session=True, text=True,
+                            env=full, start_new_session=True, text=True,
                             restore_signals=False)
+    return _finish(proc, tag, timeout, start)
+
+
+def _finish(proc: subprocess.Popen, tag: str, timeout: float,
+            start: float) -> tuple[int, float, str, list[int]]:
+    hung = ""
     try:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        hung = describe(job_pids(tag))
+        kill_all(job_pids(tag))
         out, _ = proc.communicate()
         code = -9
+    out += hung
     seconds = time.monotonic() - start
-    left = session_pids(proc.pid)
-    for pid in left:  # never leave anything behind, even when the test fails
+    left = job_pids(tag)
+    kill_all(left)  # never leave anything behind, even when the test fails
+    return code, seconds, out, left
+
+
+def describe(pids: list[int]) -> str:
+    """The command lines of ``pids`` (for the message of a job that hung)."""
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"{pid}: {cmdline[:200]}")
+        except OSError:
+            pass
+    return "\n[still running at the timeout]\n" + "\n".join(lines) if lines else ""
+
+
+def tag_job(env: dict) -> str:
+    """Mark a job's processes: a variable every process of it inherits (hydra's proxies and
+    the ranks each run in a session of their own, so a session does not find them)."""
+    tag = uuid.uuid4().hex
+    env[JOB_TAG] = tag
+    return tag
+
+
+def job_pids(tag: str) -> list[int]:
+    """Processes (zombies excluded) whose environment carries the job tag ``tag``: the
+    launcher, its proxies, the ranks and any rank they spawned."""
+    needle = f"{JOB_TAG}={tag}".encode()
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        pid = int(stat.split("/")[2])
+        try:
+            with open(stat) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return code, seconds, out, left
-
-
-def session_pids(sid: int) -> list[int]:
-    """Processes of session ``sid`` still alive (zombies excluded)."""
-    found = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                text = f.read()
-        except OSError:
-            continue
-        fields = text.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append(int(stat.split("/")[2]))
-    return found
 
 
 def results(outdir: str, prefix: str = "rank") -> dict[int, dict]:
@@ -116,24 +159,11 @@ def run_cluster_job(cluster, argv: list[str], timeout: float,
     full = {k: v for k, v in dict(cluster.env, **env).items() if v is not None}
     full = {k: v for k, v in full.items()
             if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_"))}
+    tag = tag_job(full)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full,
                             start_new_session=True, text=True, restore_signals=False)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        code = -9
-    seconds = time.monotonic() - start
-    left = session_pids(proc.pid)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return code, seconds, out, left
+    return _finish(proc, tag, timeout, start)
 
 
 def reference_args(found: dict[int, dict]) -> tuple[str, str]:
@@ -166,6 +196,7 @@ def run_store_job(n: int, argv: list[str], timeout: float,
              "LOCAL_WORLD_SIZE", "GROUP_RANK")}
     env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
     base.update({k: v for k, v in env.items() if v is not None})
+    tag = tag_job(base)
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable] + argv, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -185,12 +216,8 @@ def run_store_job(n: int, argv: list[str], timeout: float,
             codes.append(-9 if p.returncode != -9 else -9)
         outs.append(out)
     seconds = time.monotonic() - start
-    left = [pid for p in procs for pid in session_pids(p.pid)]
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    left = job_pids(tag)
+    kill_all(left)
     return codes, seconds, "".join(outs), left
 
 

@@ -159,6 +159,8 @@ def grow(comm: Communicator, n: int, command: str | None = None,
                     raise CommError(f"{where('grow', comm.rank)}: MPI_Comm_spawn of {n} "
                                     f"rank(s) failed {SPAWN_ATTEMPTS} times: "
                                     f"{exc.Get_error_string()}") from exc
+                print(f"commlib.grow (rank {comm.rank}): MPI_Comm_spawn failed, retrying: "
+                      f"{exc.Get_error_string()}", file=sys.stderr, flush=True)
                 time.sleep(0.2 * (attempt + 1))
     finally:
         mpi_info.Free()
