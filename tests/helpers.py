@@ -5,6 +5,7 @@ plain numpy computation on one rank, and assertions hold at any world size.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -16,6 +17,14 @@ import pytest
 
 NUMPY_DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 TORCH_DTYPES = NUMPY_DTYPES + ["bfloat16"]
+
+
+def require(module: str) -> None:
+    """Skip the calling test module when ``module`` is not installed, without importing it
+    (``pytest.importorskip`` imports it: lightning costs seconds in every rank of every
+    collection, and these modules only need it in the processes they start)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed", allow_module_level=True)
 
 
 def big_numel(dtype: str) -> int:

@@ -17,10 +17,10 @@ import re
 import pytest
 
 from entry_points import autoload_pythonpath
-from helpers import run_mpi, serial_only
+from helpers import require, run_mpi, serial_only
 
 pytest.importorskip("torch")
-pytest.importorskip("accelerate")
+require("accelerate")
 pytest.importorskip("tomllib")
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_program.py")
 pytestmark = serial_only

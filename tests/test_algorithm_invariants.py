@@ -21,8 +21,10 @@ import copy
 import numpy as np
 import pytest
 
+from helpers import require
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+require("sklearn")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402

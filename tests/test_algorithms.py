@@ -7,8 +7,10 @@ classes. The model spans three buckets; the optimizer has two param groups."""
 import numpy as np
 import pytest
 
+from helpers import require
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+require("sklearn")
 import commlib  # noqa: E402
 import broken_algorithms as broken  # noqa: E402
 from algo_harness import (bus_bytes, gathered, param_groups, same_everywhere,  # noqa: E402

@@ -20,8 +20,7 @@ def results(out: str) -> list[dict]:
                   key=lambda r: r["rank"])
 
 
-@pytest.mark.parametrize("mode,status", [("end", 0), ("end", 0), ("sys_exit", 0),
-                                         ("exception", 1)])
+@pytest.mark.parametrize("mode,status", [("end", 0), ("sys_exit", 0), ("exception", 1)])
 def test_script_ending_without_close_exits_cleanly(mode, status):
     """The job of the report: 200 steps at 4 ranks, sync_interval_ms=5, no close(); it
     crashed at exit in 5 of 8 runs (heap corruption, SIGSEGV, "terminate called")."""

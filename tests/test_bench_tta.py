@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from helpers import serial_only
+from helpers import require, serial_only
 
 pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+require("sklearn")
 pytestmark = serial_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from helpers import run_mpi, serial_only
+from helpers import require, run_mpi, serial_only
 
 pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+require("sklearn")
 pytestmark = serial_only
 
 

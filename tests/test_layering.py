@@ -18,7 +18,7 @@ LAYERS = [
     {"primitives", "timeline", "topology"},
     {"algorithms"},
     {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",
-     "elastic"},
+     "elastic", "horovod"},
     {"commlib", "examples", "info", "selftest", "run", "integrations", "__main__"},
 ]
 

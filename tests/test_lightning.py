@@ -18,10 +18,10 @@ import re
 
 import pytest
 
-from helpers import run_mpi, serial_only
+from helpers import require, run_mpi, serial_only
 
 pytest.importorskip("torch")
-pytest.importorskip("lightning")
+require("lightning")
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_program.py")
 pytestmark = serial_only
 

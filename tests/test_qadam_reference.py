@@ -8,8 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import require
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+require("sklearn")
 
 import commlib  # noqa: E402
 import broken_algorithms as broken  # noqa: E402

@@ -19,11 +19,12 @@ import os
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
 
 import commlib  # noqa: E402
 from algo_harness import BUCKET_MB, model, param_groups  # noqa: E402
-from helpers import run_mpi, serial_only  # noqa: E402
+from helpers import require, run_mpi, serial_only  # noqa: E402
+
+require("sklearn")
 from resume_program import CONFIGS, NEEDS_STATE, TIMED, same, train  # noqa: E402
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "resume_program.py")

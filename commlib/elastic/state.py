@@ -26,6 +26,10 @@ UNSUPPORTED = {
                            "agreed",
     "d_kfac": "its layer assignment and factors are tied to the world size",
     "dp_kfac": "its layer assignment and factors are tied to the world size",
+    "powersgd": "its error-feedback residuals are per rank and tied to the world size",
+    "diloco": "its outer step is not yet committed and restored (the partial round would "
+              "have to be discarded at the last outer step, as local_sgd does)",
+    "streaming_diloco": "its fragments' outer steps are not yet committed and restored",
 }
 #: Test hook: recover without the survivors' step agreement (each rank goes on from its own
 #: last commit). Wrong on purpose, for the negative control of the tests.
@@ -75,7 +79,8 @@ class State:
     ``new size / old size`` (for jobs whose per-rank batch is fixed; with
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
     Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`): ``qadam``,
-    ``low_precision_decentralized``, ``async_model_average``, ``d_kfac``, ``dp_kfac``; and
+    ``low_precision_decentralized``, ``async_model_average``, ``d_kfac``, ``dp_kfac``,
+    ``powersgd``, ``diloco``, ``streaming_diloco``; and
     ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
     """
 
