@@ -43,7 +43,10 @@ def test_exit_with_a_peer_gone_is_bounded():
     assert not CRASH.search(out), out[-3000:]
     assert code == 71, f"status {code}:\n{out[-3000:]}"
     assert "BackgroundAverager running" in out and "still running at exit" in out, out[-3000:]
-    assert seconds < 50, seconds
+    # the whole job (start-up, 60 steps, the 10 s bound) well inside the outer timeout: a
+    # hang would be COMMLIB_TIMEOUT (60 s) at exit on top of the rest; 50 s was too tight on
+    # a loaded machine (52 s at load average 25)
+    assert seconds < 100, seconds
 
 
 def test_a_failing_averaging_thread_ends_averaging_everywhere():
