@@ -56,14 +56,55 @@ CONTENDERS: dict[str, tuple[str | None, dict[str, Any], str]] = {
     "low_precision_decentralized": ("low_precision_decentralized", {}, "sgd"),
     "local_sgd": ("local_sgd", {"sync_every": 4}, "sgd"),
     "async_model_average": ("async_model_average", {"sync_interval_ms": 50}, "sgd"),
+    "diloco": ("diloco", {"sync_every": 8, "outer_lr": 0.7, "outer_momentum": 0.5}, "sgd"),
+    "streaming_diloco": ("streaming_diloco", {"sync_every": 8, "num_fragments": 2,
+                                              "fragment_sync_delay": 1, "quantize": "int4",
+                                              "outer_lr": 0.7, "outer_momentum": 0.5}, "sgd"),
+    "powersgd": ("powersgd", {"rank": 4, "start_iter": "epoch"}, "sgd"),
     "torch_ddp_gloo": (None, {}, "sgd"),
+    "torch_ddp_powersgd": (None, {"rank": 4, "start_iter": "epoch"}, "sgd"),
     "control_nocomm": (None, {}, "sgd"),
 }
 SYNC = "gradient_allreduce"
 PEER = "torch_ddp_gloo"
+PEER_PSGD = "torch_ddp_powersgd"   # torch DDP + torch's powerSGD_hook over gloo
+PEERS = (PEER, PEER_PSGD)
 CONTROL = "control_nocomm"
-# design ratio of wire bytes per sample against gradient_allreduce (after warm-ups)
-DESIGN = {"bytegrad": 0.25, "qadam": 1 / 32, "local_sgd": 1 / 4}
+# design ratio of wire bytes per sample against gradient_allreduce (after warm-ups);
+# powersgd's follows from the model's shapes (each run's "design_bus_ratio")
+DESIGN = {"bytegrad": 0.25, "qadam": 1 / 32, "local_sgd": 1 / 4, "diloco": 1 / 8,
+          "streaming_diloco": 1 / 64}
+
+
+def powersgd_elements(module: Any, rank: int, min_rate: float = 2.0) -> int:
+    """Elements PowerSGD moves per compressed step (torch's rule: P and Q of each matrix
+    worth compressing, every other tensor whole)."""
+    from commlib.algorithms.powersgd import should_compress
+    sent = 0
+    for p in module.parameters():
+        if p.dim() < 2:
+            sent += p.numel()
+            continue
+        rows, cols = p.shape[0], p[0].numel()
+        r = min(rows, cols, rank)
+        sent += (rows + cols) * r if should_compress(rows, cols, r, min_rate) else p.numel()
+    return sent
+
+
+def _torch_powersgd_hook(rank: int, start_iter: int) -> tuple[Any, Any]:
+    """torch's PowerSGD state and hook; the hook waits for each bucket's future (torch's
+    hook issues its P and Q allreduces from gloo's callback thread, and with several
+    buckets the ranks' collectives can interleave differently: gloo aborts)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                               start_powerSGD_iter=start_iter)
+
+    def hook(state, bucket):  # no annotations: torch checks them
+        future = psgd.powerSGD_hook(state, bucket)
+        future.wait()
+        return future
+
+    return state, hook
 
 
 # -- worker: one mpiexec job = one (shape, model, seed), every contender in turn ----------
@@ -76,7 +117,78 @@ def build_model(kind: str, width: int) -> Any:
     if kind == "mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(),
                              nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
-    raise ValueError(f"--models: unknown model {kind!r} (expected cnn or mlp)")
+    if kind == "gpt":
+        import gpt
+        return gpt.GPT(gpt.SIZES[GPT_SIZE[0]])
+    raise ValueError(f"--models: unknown model {kind!r} (expected cnn, mlp or gpt)")
+
+
+GPT_SIZE = ["small"]   # set from --gpt-size in the worker
+
+
+class Data:
+    """What a contender trains and is scored on: digits (accuracy) or the GPT corpus
+    (validation loss, scored as its negative so that higher is better everywhere)."""
+
+    def __init__(self, args: argparse.Namespace, n: int) -> None:
+        import commlib
+        self.args, self.n, self.rank = args, n, commlib.get_rank()
+        self.gpt = args.model == "gpt"
+        if self.gpt:
+            import gpt
+            GPT_SIZE[0] = args.gpt_size
+            self.cfg = gpt.SIZES[args.gpt_size]
+            self.corpus = gpt.corpus(args.gpt_bytes)
+            self.steps_per_epoch = args.gpt_steps_per_epoch
+            self.labels = None
+        else:
+            from commlib.examples.train_digits import load_digits_split
+            train, test = load_digits_split(args.seed)
+            self.x_train, self.y_train = train.tensors
+            self.x_test, self.y_test = test.tensors
+            self.labels = self.y_train
+            self.steps_per_epoch = math.ceil(math.ceil(len(self.y_train) / n) / args.batch)
+
+    def epoch(self, name: str, epoch: int) -> list[Any]:
+        """This rank's batches of ``epoch``: (inputs, targets) pairs."""
+        import torch
+        if self.gpt:
+            import gpt
+            data = self.corpus["train"]
+            if name == CONTROL:    # each rank alone on its own slice of the corpus
+                per = data.numel() // self.n
+                data = data[self.rank * per:(self.rank + 1) * per]
+            g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch * 7919
+                                              + self.rank)
+            return [gpt.batch(data, self.args.batch, self.cfg.context, g)
+                    for _ in range(self.steps_per_epoch)]
+        order = _shard(name, len(self.y_train), self.y_train, self.rank, self.n,
+                       self.args.seed, epoch)
+        out = []
+        for i in range(0, len(order), self.args.batch):
+            idx = torch.tensor(order[i:i + self.args.batch])
+            out.append((self.x_train[idx], self.y_train[idx]))
+        return out
+
+    def loss(self, model: Any, x: Any, y: Any) -> Any:
+        import torch.nn.functional as F
+        if self.gpt:
+            import gpt
+            return gpt.loss(model, x, y)
+        return F.cross_entropy(model(x), y)
+
+    def score(self, module: Any) -> float:
+        """Accuracy on the test set, or minus the validation loss (nats per byte)."""
+        import torch
+        if self.gpt:
+            import gpt
+            return -gpt.val_loss(module, self.corpus["val"], self.cfg.context,
+                                 windows=self.args.gpt_eval_windows)
+        module.eval()
+        with torch.no_grad():
+            right = (module(self.x_test).argmax(1) == self.y_test).sum().item()
+        module.train()
+        return right / len(self.y_test)
 
 
 def _shard(name: str, n_train: int, labels: Any, rank: int, n: int, seed: int,
@@ -129,79 +241,81 @@ def _gloo(rank: int) -> Any:
     return dist
 
 
-def warm_up(name: str, args: argparse.Namespace, x: Any, y: Any) -> None:
-    """Two untimed steps of ``name`` on a throwaway model: JIT-compiled kernels, gloo's
-    connections and workspaces are made here, not inside the timed run."""
+def _make(name: str, args: argparse.Namespace, module: Any, kwargs: dict) -> tuple[Any, Any]:
+    """(the model to train, the commlib wrapper or None) for contender ``name``."""
     import torch
-    import torch.nn.functional as F
     import commlib
-    algorithm, kwargs, opt_kind = CONTENDERS[name]
-    kwargs = {k: (1 if v == "epoch" else v) for k, v in kwargs.items()}
-    module = build_model(args.model, args.width)
+    algorithm = CONTENDERS[name][0]
     if algorithm is not None:
-        model = commlib.DistributedDataParallel(module, algorithm=algorithm, **kwargs)
-    elif name == PEER:
+        ddp = commlib.DistributedDataParallel(module, algorithm=algorithm, **kwargs)
+        return ddp, ddp
+    if name in PEERS:
         _gloo(commlib.get_rank())
         model = torch.nn.parallel.DistributedDataParallel(module)
-    else:
-        model = module
+        if name == PEER_PSGD:
+            model.register_comm_hook(*_torch_powersgd_hook(kwargs["rank"],
+                                                           kwargs["start_iter"]))
+        return model, None
+    return module, None     # the control: every rank alone
+
+
+def _optimizer(opt_kind: str, args: argparse.Namespace, model: Any, data: "Data") -> Any:
+    import torch
+    base = (args.gpt_lr if data.gpt else args.lr) / (10 if opt_kind == "qadam" else 1)
     if opt_kind == "qadam":
         from commlib.algorithms.qadam import QAdamOptimizer
-        opt = QAdamOptimizer(model.parameters(), lr=0.0)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        return QAdamOptimizer(model.parameters(), lr=base)
+    if data.gpt:
+        return torch.optim.AdamW(model.parameters(), lr=base, weight_decay=0.0)
+    return torch.optim.SGD(model.parameters(), lr=base, momentum=0.9)
+
+
+def warm_up(name: str, args: argparse.Namespace, data: "Data") -> None:
+    """Three untimed steps of ``name`` on a throwaway model: JIT-compiled kernels, gloo's
+    connections and workspaces are made here, not inside the timed run."""
+    import commlib
+    algorithm, kwargs, opt_kind = CONTENDERS[name]
+    kwargs = {k: (2 if v == "epoch" else v) for k, v in kwargs.items()}
+    model, ddp = _make(name, args, build_model(args.model, args.width), kwargs)
+    opt = _optimizer(opt_kind, args, model, data)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    x, y = data.epoch(name, 0)[0]
     for _ in range(3):
         opt.zero_grad()
-        F.cross_entropy(model(x[:args.batch]), y[:args.batch]).backward()
+        data.loss(model, x, y).backward()
         opt.step()
-    if algorithm is not None:
-        model.close()
+    if ddp is not None:
+        ddp.close()
     commlib.barrier()
 
 
-def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) -> dict:
+def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
     """Train ``name`` from scratch; the curve and the summary (same on every rank)."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
     import commlib
     from commlib import accounting
 
-    rank, n = commlib.get_rank(), commlib.get_world_size()
+    n = commlib.get_world_size()
     algorithm, kwargs, opt_kind = CONTENDERS[name]
-    x_train, y_train = train.tensors
-    x_test, y_test = test.tensors
-    steps_per_epoch = math.ceil(math.ceil(len(y_train) / n) / args.batch)
+    steps_per_epoch = data.steps_per_epoch
     total_steps = steps_per_epoch * args.epochs
     kwargs = {k: (steps_per_epoch if v == "epoch" else v) for k, v in kwargs.items()}
 
     torch.manual_seed(args.seed)
     module = build_model(args.model, args.width)
     params = sum(p.numel() for p in module.parameters())
-    ddp: Any = None
-    if algorithm is not None:
-        ddp = commlib.DistributedDataParallel(module, algorithm=algorithm, **kwargs)
-        model = ddp
-    elif name == PEER:
-        _gloo(rank)
-        model = torch.nn.parallel.DistributedDataParallel(module)
-    else:
-        model = module   # the control: every rank alone
-    base_lr = args.lr / 10 if opt_kind == "qadam" else args.lr
-    if opt_kind == "qadam":
-        from commlib.algorithms.qadam import QAdamOptimizer
-        opt = QAdamOptimizer(model.parameters(), lr=base_lr)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
-    # what torch DDP hands to gloo per step: every gradient once (bus: ring allreduce)
+    model, ddp = _make(name, args, module, kwargs)
+    opt = _optimizer(opt_kind, args, model, data)
+    base_lr = opt.param_groups[0]["lr"]
+    # what torch DDP hands to gloo per step: every gradient once (bus: ring allreduce);
+    # with torch's PowerSGD hook, once compressing, the P, Q and uncompressed elements
     peer_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-
-    def evaluate() -> float:
-        module.eval()
-        with torch.no_grad():
-            right = (module(x_test).argmax(1) == y_test).sum().item()
-        module.train()
-        return right / len(y_test)
+    design = None
+    if name in ("powersgd", PEER_PSGD):
+        design = powersgd_elements(module, kwargs["rank"]) / params
+    evaluate = lambda: data.score(module)  # noqa: E731
 
     # async_model_average averages on a timer in the background: stopped at every
     # evaluation (after its current round, on every rank), restarted after it
@@ -216,6 +330,8 @@ def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) ->
         nonlocal sent, bus, wall
         if background:   # no averaging round while the clock stands still
             ddp.algorithm.abort()
+        if algorithm == "streaming_diloco":   # its bytes belong to training, not to the
+            ddp.algorithm.wait_exchange()     # evaluation (its outer step stays due)
         counters = commlib.stats(reset=True)        # bytes of training since the last one
         sent += accounting.total(counters, "bytes")
         bus += accounting.total(counters, "bus_bytes")
@@ -234,28 +350,29 @@ def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) ->
     commlib.stats(reset=True)
     checkpoint(0.0)
     for epoch in range(args.epochs):
-        order = _shard(name, len(y_train), y_train, rank, n, args.seed, epoch)
-        for i in range(0, len(order), args.batch):
-            idx = torch.tensor(order[i:i + args.batch])
+        for x, y in data.epoch(name, epoch):
             factor = 0.5 * (1 + math.cos(math.pi * step / total_steps))
             for group in opt.param_groups:
                 group["lr"] = base_lr * factor
             start = time.perf_counter()
             opt.zero_grad()
-            F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            data.loss(model, x, y).backward()
             opt.step()
             seconds = time.perf_counter() - start
             durations.append(seconds)
             step += 1
-            samples += len(idx)
-            if name == PEER:
-                sent += peer_bytes
-                bus += 2 * (n - 1) * peer_bytes // n
+            samples += len(x)
+            if name in PEERS:
+                moved = peer_bytes
+                if name == PEER_PSGD and step > kwargs["start_iter"]:
+                    moved = int(round(peer_bytes * design))
+                sent += moved
+                bus += 2 * (n - 1) * moved // n
             if step % args.eval_every == 0 or step == total_steps:
                 checkpoint(sum(durations[-(step - curve[-1]["step"]):]))
     if ddp is not None:
         ddp.close()
-    if name == PEER:
+    if name in PEERS:
         import torch.distributed as dist
         dist.barrier()
     times = np.array([statistics.median(durations), sum(durations) / len(durations)])
@@ -272,7 +389,8 @@ def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) ->
             "mean_step_s": float(mean_s), "median_step_s": float(median_s),
             "bytes_per_sample": last["bytes_rank0"] / last["samples_rank0"],
             "bus_bytes_per_sample": last["bus_bytes_rank0"] / last["samples_rank0"],
-            "bytes_counted": name != PEER,
+            "bytes_counted": name not in PEERS, "design_bus_ratio": design,
+            "metric": "val_loss" if data.gpt else "accuracy",
             "final_acc_worst": last["acc_worst"], "final_acc_mean": last["acc_mean"],
             "curve": curve}
 
@@ -280,22 +398,25 @@ def run_contender(name: str, args: argparse.Namespace, train: Any, test: Any) ->
 def worker(args: argparse.Namespace) -> None:
     import torch
     import commlib
-    from commlib.examples.train_digits import load_digits_split
     commlib.init()
     torch.set_num_threads(1)
-    train, test = load_digits_split(args.seed)
+    data = Data(args, commlib.get_world_size())
     results = {}
     for name in args.algorithms.split(","):
-        warm_up(name, args, *train.tensors)
-        results[name] = run_contender(name, args, train, test)
+        warm_up(name, args, data)
+        results[name] = run_contender(name, args, data)
         if commlib.get_rank() == 0:
             r = results[name]
-            print(f"  {name:<28} final acc worst {r['final_acc_worst']:.4f}  "
+            what = "val loss worst" if data.gpt else "final acc worst"
+            value = -r["final_acc_worst"] if data.gpt else r["final_acc_worst"]
+            print(f"  {name:<28} {what} {value:.4f}  "
                   f"wall {r['wall_s']:.2f}s  mean step {r['mean_step_s'] * 1e3:.1f} ms",
                   flush=True)
+    extra = {"corpus_digest": data.corpus["digest"], "gpt_size": args.gpt_size} \
+        if data.gpt else {}
     if commlib.get_rank() == 0:
         with open(args.out, "w") as fh:
-            json.dump({"ranks": commlib.get_world_size(), "contenders": results}, fh)
+            json.dump({"ranks": commlib.get_world_size(), "contenders": results, **extra}, fh)
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -337,7 +458,11 @@ def run_job(args: argparse.Namespace, nodes: int, per: int, rate: float, model: 
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", path,
             "--model", model, "--seed", str(seed), "--epochs", str(args.epochs),
             "--batch", str(args.batch), "--lr", str(args.lr), "--width", str(args.width),
-            "--eval-every", str(args.eval_every), "--algorithms", args.algorithms]
+            "--eval-every", str(args.eval_every), "--algorithms", args.algorithms,
+            "--gpt-size", args.gpt_size, "--gpt-steps-per-epoch", str(args.gpt_steps_per_epoch),
+            "--gpt-lr", str(args.gpt_lr), "--gpt-eval-windows", str(args.gpt_eval_windows)]
+    if args.gpt_bytes:
+        argv += ["--gpt-bytes", str(args.gpt_bytes)]
     started = time.perf_counter()
     code, info = launch(nodes, per, rate, args.delay_ms, argv, args.timeout)
     if code != 0:
@@ -367,11 +492,18 @@ def steady_bus_per_sample(r: dict[str, Any]) -> float:
     return (end["bus_bytes_rank0"] - start["bus_bytes_rank0"]) / samples if samples else 0.0
 
 
-def score(run: dict[str, Any], tolerance: float) -> None:
-    """Add the target and each contender's time to it (in place)."""
+def score(run: dict[str, Any], tolerance: float, loss_tolerance: float = 0.01) -> None:
+    """Add the target and each contender's time to it (in place). Classifiers: the
+    synchronous final accuracy minus ``tolerance``; the GPT (scored as minus the validation
+    loss): the synchronous final validation loss times ``1 + loss_tolerance``."""
     rows = run["contenders"]
     sync = rows.get(SYNC)
-    target = None if sync is None else sync["final_acc_worst"] - tolerance
+    if sync is None:
+        target = None
+    elif sync.get("metric") == "val_loss":
+        target = sync["final_acc_worst"] * (1 + loss_tolerance)
+    else:
+        target = sync["final_acc_worst"] - tolerance
     run["target_acc"] = target
     peer_t = None
     if PEER in rows and target is not None:
@@ -387,7 +519,13 @@ def score(run: dict[str, Any], tolerance: float) -> None:
         r["steady_bus_bytes_per_sample"] = steady_bus_per_sample(r)
         r["bus_ratio_vs_sync"] = (r["steady_bus_bytes_per_sample"] / sync_bus
                                   if sync_bus else None)
-        if sync is not None:
+        design = DESIGN.get(name, r.get("design_bus_ratio"))
+        r["bus_vs_design"] = (r["bus_ratio_vs_sync"] / design
+                              if design and r["bus_ratio_vs_sync"] is not None else None)
+        if sync is not None and sync.get("metric") == "val_loss":   # loss above sync's, %
+            r["final_acc_gap_pp"] = 100 * (sync["final_acc_worst"] - r["final_acc_worst"]) \
+                / -sync["final_acc_worst"]
+        elif sync is not None:
             r["final_acc_gap_pp"] = 100 * (r["final_acc_worst"] - sync["final_acc_worst"])
 
 
@@ -403,7 +541,8 @@ def _median(values: list[float | None]) -> float | None:
 SUMMARY_FIELDS = ("time_to_target_s", "ttt_vs_torch_ddp", "final_acc_worst",
                   "final_acc_mean", "final_acc_gap_pp", "samples_per_s", "bytes_per_sample",
                   "bus_bytes_per_sample", "steady_bus_bytes_per_sample", "bus_ratio_vs_sync",
-                  "mean_step_s", "median_step_s", "steps_to_target", "wall_s")
+                  "mean_step_s", "median_step_s", "steps_to_target", "wall_s",
+                  "bus_vs_design")
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -425,9 +564,12 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "shaped": shaped, "why": why, "tolerance": args.tolerance,
         "config": {k: getattr(args, k) for k in ("epochs", "batch", "lr", "width",
-                                                  "eval_every", "delay_ms", "algorithms")},
+                                                  "eval_every", "delay_ms", "algorithms",
+                                                  "gpt_size", "gpt_steps_per_epoch",
+                                                  "gpt_lr", "gpt_bytes", "loss_tolerance")},
         "target_rule": f"final worst-replica accuracy of {SYNC} (flat) at the same shape, "
-                       f"model and seed, minus {args.tolerance * 100:g} pp",
+                       f"model and seed, minus {args.tolerance * 100:g} pp (gpt: its final "
+                       f"worst-replica validation loss plus {args.loss_tolerance * 100:g} %)",
         "design_bus_ratio": DESIGN, "panels": {}}
     for shape in args.shapes.split(","):
         nodes, per = parse_shape(shape)
@@ -439,7 +581,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{key} seed {seed} ...", flush=True)
                     run = run_job(args, nodes, per, rate, model, seed)
                     run["seed"] = seed
-                    score(run, args.tolerance)
+                    score(run, args.tolerance, args.loss_tolerance)
                     runs.append(run)
                 result["panels"][key] = {"nodes": nodes, "ranks_per_node": per,
                                          "rate_mbit": rate, "model": model, "runs": runs,
@@ -471,21 +613,30 @@ def _fmt(v: Any, digits: int = 2, scale: float = 1.0) -> str:
     return "None" if v is None else f"{v * scale:.{digits}f}"
 
 
+def _final(panel: dict[str, Any], value: float | None) -> str:
+    """The final score as printed: accuracy, or the GPT's validation loss (and perplexity)."""
+    if value is None or panel.get("model") != "gpt":
+        return _fmt(value, 4)
+    return f"{-value:.4f} (ppl {math.exp(-value):.2f})"
+
+
 def table(panel: dict[str, Any]) -> str:
     s = panel["summary"]
-    headers = ["contender", "reached", "t->target s", "x torch", "final worst",
-               "gap pp", "samples/s", "bus B/sample", "x sync bus", "mean step ms",
-               "median step ms"]
+    gpt_panel = panel.get("model") == "gpt"
+    headers = ["contender", "reached", "t->target s", "x torch",
+               "final val loss worst" if gpt_panel else "final worst",
+               "gap" if gpt_panel else "gap pp", "samples/s", "bus B/sample", "x sync bus",
+               "x design", "mean step ms", "median step ms"]
     rows = []
     for name, r in s.items():
         if name.startswith("_"):
             continue
         rows.append([name, f"{r['reached']}/{r['seeds']}", _fmt(r["time_to_target_s"]),
-                     _fmt(r["ttt_vs_torch_ddp"], 3), _fmt(r["final_acc_worst"], 4),
+                     _fmt(r["ttt_vs_torch_ddp"], 3), _final(panel, r["final_acc_worst"]),
                      _fmt(r["final_acc_gap_pp"], 1), _fmt(r["samples_per_s"], 0),
                      _fmt(r["steady_bus_bytes_per_sample"], 0),
-                     _fmt(r["bus_ratio_vs_sync"], 3), _fmt(r["mean_step_s"], 1, 1e3),
-                     _fmt(r["median_step_s"], 1, 1e3)])
+                     _fmt(r["bus_ratio_vs_sync"], 4), _fmt(r["bus_vs_design"], 4),
+                     _fmt(r["mean_step_s"], 1, 1e3), _fmt(r["median_step_s"], 1, 1e3)])
     return C.format_table(headers, rows)
 
 
@@ -497,17 +648,20 @@ def markdown(result: dict[str, Any]) -> str:
         seeds = panel["runs"][0]["contenders"]
         lines += [f"\n**{key}** ({len(panel['runs'])} seed(s); target {s['_target_acc']:.4f}, "
                   f"median over seeds)\n",
-                  "| contender | reached | time to target s | x torch DDP | final acc (worst) "
-                  "| gap pp | samples/s | bus B/sample | x sync bus | mean step ms "
-                  "| median step ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| contender | reached | time to target s | x torch DDP | "
+                  + ("final val loss (worst) | loss gap % "
+                     if panel.get("model") == "gpt" else "final acc (worst) | gap pp ")
+                  + "| samples/s | bus B/sample | x sync bus | x design | mean step ms "
+                  "| median step ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in seeds:
             r = s[name]
             lines.append(
                 f"| {name} | {r['reached']}/{r['seeds']} | {_fmt(r['time_to_target_s'])} | "
-                f"{_fmt(r['ttt_vs_torch_ddp'], 3)} | {_fmt(r['final_acc_worst'], 4)} | "
+                f"{_fmt(r['ttt_vs_torch_ddp'], 3)} | {_final(panel, r['final_acc_worst'])} | "
                 f"{_fmt(r['final_acc_gap_pp'], 1)} | {_fmt(r['samples_per_s'], 0)} | "
                 f"{_fmt(r['steady_bus_bytes_per_sample'], 0)} | "
-                f"{_fmt(r['bus_ratio_vs_sync'], 3)} | {_fmt(r['mean_step_s'], 1, 1e3)} | "
+                f"{_fmt(r['bus_ratio_vs_sync'], 4)} | {_fmt(r['bus_vs_design'], 4)} | "
+                f"{_fmt(r['mean_step_s'], 1, 1e3)} | "
                 f"{_fmt(r['median_step_s'], 1, 1e3)} |")
     return "\n".join(lines) + "\n"
 
@@ -534,13 +688,17 @@ def plot(result: dict[str, Any], path: str) -> None:
     for ax, (key, panel) in zip(axes.flat, panels):
         run = panel["runs"][0]
         for name, r in run["contenders"].items():
-            style = ":" if name == CONTROL else ("--" if name == PEER else "-")
+            style = ":" if name == CONTROL else ("--" if name in PEERS else "-")
             ax.plot([p["wall_s"] for p in r["curve"]], [p["acc_worst"] for p in r["curve"]],
                     style, marker=".", markersize=3, label=name)
         if run.get("target_acc") is not None:
             ax.axhline(run["target_acc"], color="gray", linestyle="--", linewidth=0.8)
-        ax.set(xscale="log", ylim=(0.0, 1.0), xlabel="wall time, evaluation excluded (s)",
-               ylabel="test accuracy (worst replica)", title=f"{key}, seed {run['seed']}")
+        if panel.get("model") == "gpt":
+            ax.set(ylabel="minus validation loss, nats/byte (worst replica)")
+        else:
+            ax.set(ylim=(0.0, 1.0), ylabel="test accuracy (worst replica)")
+        ax.set(xscale="log", xlabel="wall time, evaluation excluded (s)",
+               title=f"{key}, seed {run['seed']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6, loc="lower right")
     for ax in list(axes.flat)[len(panels):]:
@@ -569,6 +727,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=4, help="steps between evaluations")
     p.add_argument("--tolerance", type=float, default=0.005,
                    help="target = sync final accuracy minus this (fraction; 0.005 = 0.5 pp)")
+    p.add_argument("--loss-tolerance", type=float, default=0.01,
+                   help="GPT target = sync final validation loss times 1 + this")
+    p.add_argument("--gpt-size", default="small", choices=("default", "small", "tiny"),
+                   help="GPT size (benchmarks/gpt.py): default 1.85 M, small 1.05 M params")
+    p.add_argument("--gpt-steps-per-epoch", type=int, default=16)
+    p.add_argument("--gpt-lr", type=float, default=3e-3, help="AdamW rate (qadam: / 10)")
+    p.add_argument("--gpt-bytes", type=int, default=None, help="cut the corpus' sides")
+    p.add_argument("--gpt-eval-windows", type=int, default=32)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)

@@ -166,12 +166,18 @@ def main() -> None:
                     help="per-rank memory budget for the largest-model column")
     ap.add_argument("--peers", default="torch", help="'torch' or 'none'")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--zeropp", action="store_true",
+                    help="only the ZeRO++ table: FULL_SHARD's bytes per step against "
+                         "weight_quantization / gradient_quantization / secondary_shard "
+                         "(nodes: COMMLIB_LOCAL_SIZE)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank, n = commlib.get_rank(), commlib.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.d_in, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
+    if args.zeropp:
+        return zeropp(args, x, y)
     runs = contenders(args)
     psi = sum(p.numel() for p in WideMLP(args.d_in, args.width, args.depth).parameters())
     bus: dict[str, float] = {}
@@ -231,6 +237,49 @@ def main() -> None:
         C.write_json(args.json, {"env": C.environment(n), "args": vars(args), "psi": psi,
                                  "memory": memory, "bus_bytes": bus,
                                  "step_s": {c.name: c.times for c in runs}})
+
+
+ZEROPP = [("FULL_SHARD", {}), ("+ qwZ int8", {"weight_quantization": "int8"}),
+          ("+ qgZ int8", {"gradient_quantization": "int8"}),
+          ("+ hpZ node", {"secondary_shard": "node"}),
+          ("qwZ + qgZ + hpZ", {"weight_quantization": "int8", "gradient_quantization": "int8",
+                               "secondary_shard": "node"})]
+
+
+def zeropp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Bytes per step (this rank's, exact: commlib.stats) of FULL_SHARD and its ZeRO++
+    options on the WideMLP, one Adam step after warm-up; the hpZ node copy's memory."""
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    rows = []
+    for name, kw in ZEROPP:
+        torch.manual_seed(0)
+        m = commlib.FullyShardedDataParallel(WideMLP(args.d_in, args.width, args.depth),
+                                             "FULL_SHARD", chunk_size_mb=args.chunk_mb, **kw)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+        def step() -> None:
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+        for _ in range(args.warmup):
+            step()
+        commlib.stats(reset=True)
+        step()
+        st = commlib.stats(reset=True)
+        rows.append((name, {op: v["bytes"] for op, v in st.items()},
+                     sum(v["bus_bytes"] for v in st.values()), m.memory_bytes()["secondary"]))
+        m.close()
+    if rank != 0:
+        return
+    base = rows[0][2]
+    print(f"\nZeRO++ on WideMLP width={args.width} depth={args.depth}, {n} ranks, nodes of "
+          f"{commlib.options.local_size or 'host'}, chunks {args.chunk_mb} MiB, fp32\n")
+    print("| config | allgather B | reduce_scatter B | alltoall B | bus B/step | vs FULL_SHARD"
+          " | hpZ copy |")
+    print("|---|---|---|---|---|---|---|")
+    for name, b, bus, sec in rows:
+        print(f"| {name} | {b.get('allgather', 0):,} | {b.get('reduce_scatter', 0):,} | "
+              f"{b.get('alltoall', 0):,} | {bus:,} | {bus / base:.3f}x | {sec:,} B |")
 
 
 if __name__ == "__main__":

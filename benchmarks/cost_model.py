@@ -29,8 +29,24 @@ a phase is the bytes its busiest node link carries in one direction):
   fraction ``(N-R)/(N-1)`` of the rounds: ``R (N-R)/(N-1) * S`` per node link.
 * ``low_precision_decentralized``: ``S/4`` to each of two ring neighbours; per node link
   two messages of ``S/4`` (the node's boundary ranks).
-* ``local_sgd`` (k = 4): a weight allreduce every k steps, ``allreduce(S) / k`` per step.
-* ``async_model_average``: the averaging runs beside training; ``0`` on the step.
+* ``local_sgd`` (k = its ``sync_every``, 4 by default): ``allreduce(S) / k`` per step.
+* ``diloco`` (H = ``sync_every``): a weight (pseudo-gradient) allreduce every H steps:
+  ``allreduce(S) / H`` per step on average, a whole ``allreduce(S)`` at the peak step; it
+  blocks the step (no overlap).
+* ``streaming_diloco`` (H, F = ``num_fragments``, ``fragment_sync_delay`` d, ``quantize``):
+  F exchanges of a fragment of ``S / F`` per H steps, each the compressed alltoall +
+  allgather of ``S / F * w`` (``w`` = 0.126 for int4, 0.252 for int8: codes plus the
+  8-byte header of each 2048-element chunk; a flat allreduce without quantization): in
+  total ``w / H`` of synchronous bytes per step, at the peak step one fragment's,
+  ``w / F`` of DiLoCo's peak. Its exchange overlaps the d following inner steps: only
+  ``max(0, exchange - d * compute)`` shows on the step.
+* ``powersgd`` (rank r): ``rho S`` bytes per compressed step, ``rho`` implied by the rank
+  and the layer shapes (P and Q of each matrix, vectors uncompressed; each run's
+  ``design_bus_ratio``); three allreduces in sequence (vectors, P, Q: the two extra ones
+  add their latencies, ``2 log2(N)`` alphas each), P and Q carrying half each; a full
+  allreduce during its ``start_iter`` warm-up.
+* ``async_model_average``: the averaging runs beside training; ``0`` on the step (with
+  ``sync_every_steps=k``: ``allreduce(S) / k`` of bytes, hidden behind the next step).
 * torch DDP over gloo: gloo's ring, ``2 (N-1)`` latencies and ``2 (N-1)/N * S`` on the
   node link (one ring edge leaves each node).
 
@@ -53,7 +69,14 @@ low_precision_decentralized's exchanges do not overlap. On the emulated CPU clus
 overlap is already inside the calibrated base. Time to accuracy = steps to target x step
 time, with each algorithm's steps to target
 relative to synchronous training taken from the emulated runs (the wide MLP, median over
-seeds) and ASSUMED to hold at scale; an algorithm that missed the target there has none.
+seeds; ``--workload gpt``: the GPT runs) and ASSUMED to hold at scale; an algorithm that
+missed the target there has none.
+
+**Bytes check** (needs no calibration): every shaped run's steady bus bytes per sample of
+each contender against gradient_allreduce's, measured vs the model's ratio (the same
+formulas' byte terms), so the byte side of every formula is validated on each run.
+``--workload gpt`` predicts for the GPT workload's parameter count instead (``S`` = 4 x the
+runs' parameters, PowerSGD's ``rho`` from the runs, ``--compute-s`` per step ASSUMED).
 """
 from __future__ import annotations
 
@@ -73,7 +96,42 @@ import _common as C  # noqa: E402
 SYNC, PEER, CONTROL = "gradient_allreduce", "torch_ddp_gloo", "control_nocomm"
 MODELLED = ("gradient_allreduce", "gradient_allreduce_hier", "bytegrad", "qadam",
             "decentralized", "low_precision_decentralized", "local_sgd",
-            "async_model_average", "torch_ddp_gloo")
+            "async_model_average", "torch_ddp_gloo", "diloco", "streaming_diloco", "powersgd")
+
+#: bytes on the wire per element of the min-max codecs, chunk headers included (2048)
+WIRE = {"int4": (0.5 + 8 / 2048) / 4, "int8": (1 + 8 / 2048) / 4, None: 1.0}
+#: defaults of the algorithms' arguments the model reads
+DEFAULTS = {"local_sgd": {"sync_every": 4}, "diloco": {"sync_every": 8},
+            "streaming_diloco": {"sync_every": 8, "num_fragments": 2,
+                                 "fragment_sync_delay": 1, "quantize": "int4"},
+            "powersgd": {"rank": 4}}
+
+
+def args_of(name: str, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    return {**DEFAULTS.get(name, {}), **(kwargs or {})}
+
+
+def bytes_ratio(name: str, kwargs: dict[str, Any] | None = None,
+                psgd_ratio: float | None = None) -> tuple[float, float] | None:
+    """(mean bytes per step, bytes at the peak step), relative to one synchronous
+    gradient allreduce, after warm-ups; None where the model has no byte term."""
+    a = args_of(name, kwargs)
+    if name in (SYNC, PEER):   # (hierarchical: counted per tier, not modelled in bytes)
+        return 1.0, 1.0
+    if name == "bytegrad":
+        return 0.25, 0.25
+    if name == "qadam":
+        return 1 / 32, 1 / 32
+    if name == "local_sgd":
+        return 1 / a["sync_every"], 1.0
+    if name == "diloco":
+        return 1 / a["sync_every"], 1.0
+    if name == "streaming_diloco":
+        w = WIRE[a["quantize"]]
+        return w / a["sync_every"], w / a["num_fragments"]
+    if name == "powersgd" and psgd_ratio is not None:
+        return psgd_ratio, psgd_ratio
+    return None
 
 
 @dataclass
@@ -167,9 +225,37 @@ def neighbours(c: Cluster, nbytes: float) -> float:
     return tier.cost(2 * nbytes, 2)
 
 
+def streaming_exchange(c: Cluster, nbytes: float, a: dict[str, Any],
+                       compress_s_per_byte: float = 0.0) -> float:
+    """Seconds of one fragment exchange of streaming_diloco."""
+    frag = nbytes / a["num_fragments"]
+    if a["quantize"] is None:
+        return allreduce_rhd(c, frag)
+    return compressed(c, frag * WIRE[a["quantize"]]) + 2 * compress_s_per_byte * frag
+
+
+def powersgd_steady(c: Cluster, nbytes: float, rho: float,
+                    compress_s_per_byte: float = 0.0) -> float:
+    return (allreduce_rhd(c, 0.0) + 2 * allreduce_rhd(c, rho * nbytes / 2)
+            + compress_s_per_byte * nbytes)
+
+
 def comm_time(name: str, c: Cluster, nbytes: float, warm_fraction: float = 0.0,
-              compress_s_per_byte: float = 0.0) -> float:
-    """Communication seconds per step (mean over steps) of algorithm ``name``."""
+              compress_s_per_byte: float = 0.0, kwargs: dict[str, Any] | None = None,
+              psgd_ratio: float | None = None, compute_s: float = 0.0) -> float:
+    """Communication seconds per step (mean over steps) of algorithm ``name`` that show
+    on the step (streaming_diloco's overlap with ``compute_s`` per step subtracted)."""
+    a = args_of(name, kwargs)
+    if name == "diloco":
+        return allreduce_rhd(c, nbytes) / a["sync_every"]
+    if name == "streaming_diloco":
+        e = streaming_exchange(c, nbytes, a, compress_s_per_byte)
+        hidden = a["fragment_sync_delay"] * compute_s
+        return a["num_fragments"] * max(0.0, e - hidden) / a["sync_every"]
+    if name == "powersgd":
+        rho = 1.0 if psgd_ratio is None else psgd_ratio
+        return (warm_fraction * allreduce_rhd(c, nbytes)
+                + (1 - warm_fraction) * powersgd_steady(c, nbytes, rho, compress_s_per_byte))
     if name == SYNC:
         return allreduce_rhd(c, nbytes)
     if name == "gradient_allreduce_hier":
@@ -192,7 +278,7 @@ def comm_time(name: str, c: Cluster, nbytes: float, warm_fraction: float = 0.0,
     if name == "low_precision_decentralized":
         return neighbours(c, nbytes / 4) + compress_s_per_byte * nbytes
     if name == "local_sgd":
-        return allreduce_rhd(c, nbytes) / 4
+        return allreduce_rhd(c, nbytes) / a["sync_every"]
     if name == "async_model_average":
         return 0.0
     if name == PEER:
@@ -209,7 +295,10 @@ def _load(paths: list[str], shaped: bool) -> dict[str, Any]:
     panels: dict[str, Any] = {}
     for path in paths:
         with open(path) as fh:
-            panels.update(json.load(fh)["panels"])
+            for key, panel in json.load(fh)["panels"].items():
+                if key in panels:  # the same shape in two files: keep both
+                    key = f"{key} ({os.path.basename(path)})"
+                panels[key] = panel
     return {k: p for k, p in panels.items() if bool(p["rate_mbit"]) == shaped}
 
 
@@ -225,8 +314,44 @@ def model_bytes(run: dict[str, Any]) -> float:
 
 
 def warm_fraction(row: dict[str, Any]) -> float:
-    warm = row.get("kwargs", {}).get("warmup_steps", 0)
-    return min(1.0, warm / row["steps"]) if row.get("algorithm") == "qadam" else 0.0
+    kw = row.get("kwargs", {})
+    if row.get("algorithm") == "qadam":
+        return min(1.0, kw.get("warmup_steps", 0) / row["steps"])
+    if row.get("algorithm") == "powersgd":
+        start = kw.get("start_iter", 0)
+        start = row.get("steps_per_epoch", 0) if start == "epoch" else start
+        return min(1.0, start / row["steps"])
+    return 0.0
+
+
+def row_comm(name: str, c: Cluster, s: float, row: dict[str, Any]) -> float:
+    """``comm_time`` with a run's contender row: its arguments, warm-up, PowerSGD ratio."""
+    return comm_time(name, c, s, warm_fraction(row), kwargs=row.get("kwargs"),
+                     psgd_ratio=row.get("design_bus_ratio"))
+
+
+def validate_bytes(panels: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every shaped run: steady bus bytes per sample / gradient_allreduce's, measured
+    (median over seeds) against ``bytes_ratio``."""
+    rows = []
+    for key, panel in panels.items():
+        runs = panel["runs"]
+        names = runs[0]["contenders"]
+        if SYNC not in names:
+            continue
+        for name in names:
+            row = runs[0]["contenders"][name]
+            model = bytes_ratio(name, row.get("kwargs"), row.get("design_bus_ratio"))
+            if model is None or name == SYNC or not row.get("bytes_counted", True):
+                continue
+            measured = statistics.median(
+                r["contenders"][name]["steady_bus_bytes_per_sample"]
+                / r["contenders"][SYNC]["steady_bus_bytes_per_sample"] for r in runs)
+            rows.append({"panel": key, "contender": name, "measured_ratio": measured,
+                         "model_ratio": model[0], "peak_ratio": model[1],
+                         "error": model[0] / measured - 1 if measured else None,
+                         "params": row["params"]})
+    return rows
 
 
 def panel_means(panel: dict[str, Any]) -> dict[str, float]:
@@ -246,7 +371,7 @@ def calibrate(panels: dict[str, Any]) -> dict[tuple[str, str], dict[str, float]]
         means = panel_means(panel)
         shape = f"{panel['nodes']}x{panel['ranks_per_node']}"
         out[(shape, panel["model"])] = {
-            n: means[n] - comm_time(n, c, s, warm_fraction(run["contenders"][n]))
+            n: means[n] - row_comm(n, c, s, run["contenders"][n])
             for n in means if n in MODELLED or n == CONTROL}
     return out
 
@@ -265,13 +390,13 @@ def validate(panels: dict[str, Any], base: dict[tuple[str, str], dict[str, float
         for name in MODELLED:
             if name not in means or name not in b:
                 continue
-            predicted = b[name] + comm_time(name, c, s, warm_fraction(run["contenders"][name]))
+            comm = row_comm(name, c, s, run["contenders"][name])
+            predicted = b[name] + comm
             rows.append({"panel": key, "contender": name, "measured_s": means[name],
                          "predicted_s": predicted,
                          "error": predicted / means[name] - 1,
                          "compute_only_s": b.get(CONTROL),
-                         "comm_s": comm_time(name, c, s, warm_fraction(
-                             run["contenders"][name]))})
+                         "comm_s": comm})
     return rows
 
 
@@ -288,7 +413,10 @@ SCALE = {"ranks_per_node": 8, "intra": Tier(3e-6, 8 / 1200e9), "inter_alpha": 10
 SCALE_ONLY = ("bytegrad_hier", "qadam_hier")
 # exchanged bucket by bucket during backward (or, decentralized, beside forward/backward)
 OVERLAPPED = (SYNC, "gradient_allreduce_hier", "bytegrad", "qadam", "decentralized", PEER,
-              *SCALE_ONLY)
+              "powersgd", *SCALE_ONLY)
+#: the GPT workload (``--workload gpt``): benchmarks/gpt.py's "small" (what
+#: bench_time_to_accuracy trains); its compute per step on a GPU is ASSUMED
+GPT = {"params": 1049184, "compute_s": 0.01, "powersgd_ratio": 0.0448653429712996}
 
 
 def steps_ratio(panels: dict[str, Any], model: str = "mlp") -> dict[str, float | None]:
@@ -310,23 +438,43 @@ def steps_ratio(panels: dict[str, Any], model: str = "mlp") -> dict[str, float |
     return out
 
 
-def predict(ratios: dict[str, float | None]) -> list[dict[str, Any]]:
+def contender_args(panels: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each contender's arguments (and PowerSGD's rank-implied ratio) as the runs used."""
+    out: dict[str, dict[str, Any]] = {}
+    for panel in panels.values():
+        for name, row in panel["runs"][0]["contenders"].items():
+            out.setdefault(name, {"kwargs": row.get("kwargs") or {},
+                                  "psgd_ratio": row.get("design_bus_ratio")})
+    return out
+
+
+def predict(ratios: dict[str, float | None], scale: dict[str, Any] | None = None,
+            args: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     rows = []
-    s = SCALE["model_bytes"]
-    compress = 1 / (SCALE["compress_gbyte_s"] * 1e9)
+    scale = SCALE if scale is None else scale
+    args = args or {}
+    s = scale["model_bytes"]
+    compute = scale["compute_s"]
+    compress = 1 / (scale["compress_gbyte_s"] * 1e9)
     for gbit in SCALE["inter_gbit"]:
         inter = Tier(SCALE["inter_alpha"], 8 / (gbit * 1e9))
         for n in SCALE["ranks"]:
             c = Cluster(n // SCALE["ranks_per_node"], SCALE["ranks_per_node"], SCALE["intra"],
                         inter)
             for name in MODELLED + SCALE_ONLY:
-                comm = comm_time(name, c, s, SCALE["qadam_warm_fraction"], compress)
-                step = SCALE["compute_s"] + comm
+                a = args.get(name, {})
+                psgd = a.get("psgd_ratio") or scale.get("powersgd_ratio")
+                comm = comm_time(name, c, s, SCALE["qadam_warm_fraction"], compress,
+                                 kwargs=a.get("kwargs"), psgd_ratio=psgd, compute_s=compute)
+                step = compute + comm
                 if name in OVERLAPPED:   # exchanged while backward runs: half hides
-                    step = SCALE["compute_s"] + max(0.0, comm - 0.5 * SCALE["compute_s"])
+                    step = compute + max(0.0, comm - 0.5 * compute)
                 ratio = ratios.get(name.replace("_hier", "") if name in SCALE_ONLY else name)
+                b = bytes_ratio(name.replace("_hier", ""), a.get("kwargs"), psgd)
                 rows.append({"inter_gbit": gbit, "ranks": n, "contender": name,
                              "comm_s": comm, "step_s": step, "steps_ratio": ratio,
+                             "bytes_per_step": None if b is None else b[0] * s,
+                             "peak_bytes_per_step": None if b is None else b[1] * s,
                              "tta_sync_steps": None if ratio is None else step * ratio})
     # time to accuracy relative to flat gradient_allreduce at the same scale
     sync = {(r["inter_gbit"], r["ranks"]): r["tta_sync_steps"] for r in rows
@@ -386,39 +534,83 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calibrate", required=True,
+    p.add_argument("--calibrate", default="",
                    help="bench_time_to_accuracy JSON file(s), comma-separated: their "
-                        "unshaped panels (--rates 0) calibrate the model")
+                        "unshaped panels (--rates 0) calibrate the model; without them "
+                        "the step-time validation is skipped (the bytes check still runs)")
     p.add_argument("--validate", required=True,
                    help="bench_time_to_accuracy JSON file(s), comma-separated: their "
                         "shaped panels are predicted and compared")
+    p.add_argument("--workload", choices=("resnet50", "gpt"), default="resnet50",
+                   help="what the predictions at scale are for (module doc)")
+    p.add_argument("--compute-s", type=float, default=None,
+                   help="compute seconds per step at scale (ASSUMED; default 0.2 for "
+                        "resnet50, 0.01 for gpt)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
-    base = calibrate(_load(args.calibrate.split(","), shaped=False))
+    unshaped = _load(args.calibrate.split(","), shaped=False) if args.calibrate else {}
     shaped = _load(args.validate.split(","), shaped=True)
+    base = calibrate(unshaped)
     checks = validate(shaped, base)
-    print(C.format_table(
-        ["panel", "contender", "measured ms", "predicted ms", "error %", "comm ms"],
-        [[r["panel"], r["contender"], C.fmt(r["measured_s"] * 1e3, 1),
-          C.fmt(r["predicted_s"] * 1e3, 1), C.fmt(100 * r["error"], 1),
-          C.fmt(r["comm_s"] * 1e3, 1)] for r in checks],
-        title="validation: mean step time, measured vs predicted from the unshaped run"))
-    within = [abs(r["error"]) <= 0.2 for r in checks]
-    if checks:
+    if not unshaped:
+        print("no unshaped (--rates 0) panels given: the step-time validation is skipped")
+    elif not checks:
+        print("no shaped panel has an unshaped one of the same shape and model: the "
+              "step-time validation is skipped")
+    else:
+        print(C.format_table(
+            ["panel", "contender", "measured ms", "predicted ms", "error %", "comm ms"],
+            [[r["panel"], r["contender"], C.fmt(r["measured_s"] * 1e3, 1),
+              C.fmt(r["predicted_s"] * 1e3, 1), C.fmt(100 * r["error"], 1),
+              C.fmt(r["comm_s"] * 1e3, 1)] for r in checks],
+            title="validation: mean step time, measured vs predicted from the unshaped run"))
+        within = [abs(r["error"]) <= 0.2 for r in checks]
         print(f"within 20%: {sum(within)}/{len(within)}; median |error| "
               f"{100 * statistics.median(abs(r['error']) for r in checks):.1f}%")
-    ratios = steps_ratio(shaped)
-    rows = predict(ratios)
+    byte_checks = validate_bytes(shaped)
+    print(C.format_table(
+        ["panel", "contender", "params", "measured", "model", "error %", "peak/sync"],
+        [[r["panel"], r["contender"], r["params"], C.fmt(r["measured_ratio"], 4),
+          C.fmt(r["model_ratio"], 4),
+          "-" if r["error"] is None else C.fmt(100 * r["error"], 1),
+          C.fmt(r["peak_ratio"], 4)] for r in byte_checks],
+        title="bytes check: steady bus bytes per sample / gradient_allreduce's"))
+    model = "gpt" if args.workload == "gpt" else "mlp"
+    scale = dict(SCALE)
+    if args.workload == "gpt":
+        params = next((p["runs"][0]["contenders"][SYNC]["params"] for p in shaped.values()
+                       if p["model"] == "gpt" and SYNC in p["runs"][0]["contenders"]
+                       and p["runs"][0].get("gpt_size", "small") == "small"), GPT["params"])
+        scale.update(model_bytes=4.0 * params, compute_s=GPT["compute_s"],
+                     powersgd_ratio=GPT["powersgd_ratio"])
+    if args.compute_s is not None:
+        scale["compute_s"] = args.compute_s
+    ratios = steps_ratio(shaped, model)
+    rows = predict(ratios, scale, contender_args(
+        {k: v for k, v in shaped.items() if v["model"] == model}))
     best = recommend(rows)
+    print(f"predictions for {args.workload}: S = {scale['model_bytes'] / 1e6:.2f} MB fp32, "
+          f"{scale['compute_s'] * 1e3:.0f} ms compute per step (ASSUMED); steps to target "
+          f"from the {model} runs: " + ", ".join(
+              f"{k} {C.fmt(v, 3)}" for k, v in sorted(ratios.items()) if v is not None))
+    shown = (SYNC, "local_sgd", "diloco", "streaming_diloco", "powersgd")
+    pick = {(r["inter_gbit"], r["ranks"], r["contender"]): r for r in rows}
+    print(C.format_table(
+        ["Gbit/s", "ranks", *shown],
+        [[g, n, *(C.fmt(pick[(g, n, name)]["step_s"] * 1e3, 2) for name in shown)]
+         for g in scale["inter_gbit"] for n in (8, 64, 1024)],
+        title="predicted step time (ms), new algorithms beside synchronous"))
     print(C.format_table(["Gbit/s", "ranks", "best", "tta / sync"],
                          [[b["inter_gbit"], b["ranks"], b["best"], C.fmt(b["tta_vs_sync"], 3)]
                           for b in best], title="least predicted time to accuracy"))
     if args.json:
-        C.write_json(args.json, {"scale": {k: (v.__dict__ if isinstance(v, Tier) else v)
-                                           for k, v in SCALE.items()},
+        C.write_json(args.json, {"workload": args.workload,
+                                 "scale": {k: (v.__dict__ if isinstance(v, Tier) else v)
+                                           for k, v in scale.items()},
                                  "base_s": {f"{k[0]} {k[1]}": v for k, v in base.items()},
-                                 "validation": checks, "steps_ratio": ratios,
+                                 "validation": checks, "bytes_check": byte_checks,
+                                 "steps_ratio": ratios,
                                  "predictions": rows, "recommendation": best})
     if args.plot:
         plot(rows, args.plot)

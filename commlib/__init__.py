@@ -9,7 +9,7 @@ arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Wor
 from . import launch as _launch
 _launch.bootstrap()
 
-from .errors import CommError, NonFiniteError  # noqa: E402
+from .errors import CommError, NonFiniteError, PeerFailure  # noqa: E402
 from .options import Options, options
 from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, alltoall_v,
                          barrier, block_offsets, block_sizes, broadcast, gather, new_group,
@@ -55,7 +55,7 @@ def __getattr__(name: str):
         return import_module("." + name, __name__)
     if name in ("Topology", "Grid"):
         return getattr(import_module(".topology", __name__), name)
-    if name in ("parallel", "pipeline"):
+    if name in ("parallel", "pipeline", "elastic"):
         return import_module(f".{name}", __name__)
 
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
@@ -63,10 +63,12 @@ def __getattr__(name: str):
 
 __all__ = [
     "CommError", "DistributedDataParallel", "EmbeddingCache", "Grid", "LookaheadLoader",
-    "ShardedEmbedding", "ShardedEmbeddingBag", "Group", "NonFiniteError", "Options", "ReduceOp", "Work", "allgather", "allgather_v",
+    "ShardedEmbedding", "ShardedEmbeddingBag", "Group", "NonFiniteError", "Options", "PeerFailure",
+    "ReduceOp", "Work", "allgather", "allgather_v",
     "allreduce", "alltoall", "alltoall_v", "barrier", "block_offsets", "block_sizes",
     "broadcast", "gather", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
-    "init", "is_initialized", "new_group", "new_subgroup", "options", "parallel", "pipeline",
+    "elastic", "init", "is_initialized", "new_group", "new_subgroup", "options", "parallel",
+    "pipeline",
     "recv", "recv_any",
     "reduce", "reduce_scatter", "scatter", "send", "stats", "Topology", "world",
     "FullyShardedDataParallel", "ShardingStrategy", "ZeroRedundancyOptimizer",

@@ -52,6 +52,9 @@ class Communicator:
 
     def __init__(self, mpi_comm: Any, watchdog: Watchdog, name: str,
                  world_ranks: tuple[int, ...] | None = None) -> None:
+        if options.fault_tolerant:  # every operation nonblocking, failures detected
+            from .fault_tolerance import adopt
+            mpi_comm = adopt(mpi_comm, name=name)
         self.mpi = mpi_comm
         self.watchdog = watchdog
         self.name = name

@@ -32,6 +32,18 @@ code can fail:
   The exit status is known when the rank left through ``sys.exit`` (recorded by a thin
   wrapper around it) or an uncaught exception (status 1); a script that ends, or raises
   ``SystemExit`` itself, counts as status 0.
+* **Fault-tolerant mode** (``COMMLIB_FAULT_TOLERANT=1``, see :mod:`commlib.fault_tolerance`):
+  a rank that leaves counts as dead for the survivors instead of ending the job. An uncaught
+  exception ends only its rank (status 1, traceback printed); a waiting rank never aborts
+  for a rank that left: its collectives raise :class:`~commlib.errors.PeerFailure`
+  :data:`LEFT_GRACE_S` seconds after the leaver's exit message (or once the launcher reports
+  it dead), and the survivors' agreement counts it dead at once. At exit a rank sends its exit message to the living
+  (no collective: nothing may be sent to a dead rank, see :mod:`commlib.fault_tolerance`),
+  waits (status 0 only) up to ``COMMLIB_EXIT_WINDOW`` seconds for them to leave too, so
+  that none is left waiting for messages of a collective it finished, and then leaves through
+  ``os._exit`` with its status after flushing ``sys.stdout``/``sys.stderr`` and ``logging``:
+  never ``MPI_Finalize``, which waits forever for a dead peer. ``atexit`` handlers registered
+  before commlib was imported do not run in this mode.
 * MPICH's **shared-memory segments** lose their names in ``/dev/shm`` once every rank is
   past ``MPI_Init`` (:mod:`commlib.shm`), so that no exit path, a rank killed included,
   can leave them behind; every abort path releases whatever was mapped since.
@@ -112,6 +124,8 @@ def arm(collective: bool = True) -> None:
         comm.Barrier()  # every rank is past MPI_Init: every segment is mapped by its node
         shm.release()
         _state = _Exits(comm)
+        from . import fault_tolerance
+        fault_tolerance.SOURCES.append(_left_long_ago)
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             POLLERS.append(_poll)
         shutdown.at_final(_agree)
@@ -152,7 +166,8 @@ def _rank() -> int:
 
 def _hook(previous: Any) -> Any:
     def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
-        if issubclass(exc_type, KeyboardInterrupt) or not options.abort_on_exception:
+        if issubclass(exc_type, KeyboardInterrupt) or not options.abort_on_exception or \
+                options.fault_tolerant:
             record_exit(1, f"uncaught {exc_type.__name__}, status 1")
             previous(exc_type, exc, tb)
             return
@@ -183,7 +198,7 @@ def _poll(armed: dict, now: float) -> None:
     with ex.lock:
         if not ex.closed and not MPI.Is_finalized():
             ex.drain()
-    if not ex.left:
+    if not ex.left or options.fault_tolerant:
         return
     window = float(options.exit_window)
     for tid, (_, pending) in list(armed.items()):
@@ -217,6 +232,8 @@ def _agree() -> None:
     comm = ex.comm
     me, n = comm.Get_rank(), comm.Get_size()
     status, how = _exit_status or (0, "its script ended, or raised SystemExit")
+    if options.fault_tolerant:
+        _leave(ex, status, how)
     sends = [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n) if r != me]
     barrier = comm.Ibarrier()
     limit, name = ((float(options.exit_window), "COMMLIB_EXIT_WINDOW") if status else
@@ -237,3 +254,92 @@ def _agree() -> None:
             ex.left[r] = (code, text, time.monotonic())
     MPI.Request.Waitall(sends)
     comm.Free()
+
+
+def left_ranks() -> frozenset[int]:
+    """World ranks that sent their exit message (they left, or are leaving, the program)."""
+    ex = _state
+    if ex is None:
+        return frozenset()
+    with ex.lock:
+        if not ex.closed and not MPI.Is_finalized():
+            ex.drain()
+        return frozenset(ex.left)
+
+
+#: Seconds a rank leaving with a non-zero status in fault-tolerant mode gives its exit
+#: messages to get out.
+SEND_GRACE_S = 0.2
+#: Fault-tolerant mode: seconds after its exit message from which a rank that left counts
+#: as dead for the survivors' collectives (until then they may still complete a collective
+#: it finished before leaving); the agreement counts it dead at once.
+LEFT_GRACE_S = 1.0
+
+
+def _left_long_ago() -> list[int]:
+    """A failure detector (:data:`commlib.fault_tolerance.SOURCES`): ranks whose exit
+    message came :data:`LEFT_GRACE_S` seconds ago or more (fault-tolerant mode only)."""
+    ex = _state
+    if ex is None or not options.fault_tolerant:
+        return []
+    left_ranks()
+    now = time.monotonic()
+    return [r for r, (_, _, seen) in list(ex.left.items()) if now - seen >= LEFT_GRACE_S]
+
+
+def _leave_store(dead: frozenset) -> None:
+    """In a store-backed world (:mod:`commlib.launch`), what its ``atexit`` handler would do
+    (``os._exit`` skips it): tell the store this rank left; the rank hosting the store
+    waits there until every rank has left. Dead ranks never leave, so the survivors count
+    them as left, each once (the first survivor to claim one). Uses the store keys of
+    :class:`commlib.launch.space.StoreSpace` (``left``, ``left/out``): a seam for
+    ``commlib.launch`` to take over."""
+    from . import launch
+    world = launch.current()
+    if world is None:
+        return
+    try:
+        for r in sorted(dead):
+            if world.call("add", world.key(f"ft/left-for/{r}"), 1) == 1 and \
+                    world.call("add", world.key("left"), 1) == world.size:
+                world.call("set", world.key("left/out"), "1")
+        world.leave()
+    except Exception:  # noqa: BLE001 - the store's host may be gone: leave anyway
+        pass
+
+
+def _leave(ex: _Exits, status: int, how: str) -> None:
+    """Fault-tolerant mode's exit (see the module docstring): never returns."""
+    import logging
+    import os
+
+    from . import fault_tolerance
+    comm = ex.comm
+    me, n = comm.Get_rank(), comm.Get_size()
+    gone = fault_tolerance.dead_in_world()
+    # Messages to the living only, and no collective: nothing may be sent to a dead rank
+    # (see commlib.fault_tolerance).
+    sends = [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n)
+             if r != me and r not in gone]
+    start = time.monotonic()
+    limit = float(options.exit_window) if status == 0 else SEND_GRACE_S
+    while time.monotonic() - start < limit:
+        ex.drain()
+        gone = fault_tolerance.dead_in_world()
+        if status != 0 and all(s.Test() for s in sends):
+            break
+        if all(r == me or r in ex.left or r in gone for r in range(n)):
+            break  # everyone alive has left too: nobody can wait for this rank
+        time.sleep(POLL_S)
+    _leave_store(fault_tolerance.dead_in_world())
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+    try:
+        logging.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    shm.release()
+    os._exit(status % 256)

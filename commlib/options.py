@@ -73,6 +73,12 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
                     "waiting this long in a collective with it, or a rank that left with a "
                     "non-zero status whose peers did not leave within this time, aborts "
                     "the job (see commlib.exits)"),
+    "fault_tolerant": (_as_bool, False, "COMMLIB_FAULT_TOLERANT",
+                       "fault-tolerant mode: every collective is nonblocking and polled with "
+                       "failure detection, a dead peer raises commlib.PeerFailure on every "
+                       "survivor, a rank that leaves counts as dead and survivors leave "
+                       "through os._exit (see commlib.fault_tolerance, commlib.elastic); "
+                       "needs mpiexec -disable-auto-cleanup or the store-backed world"),
     "abort_on_exception": (_as_bool, True, "COMMLIB_ABORT_ON_EXCEPTION",
                            "an uncaught exception on one rank aborts the whole job "
                            "(only when running with more than one rank)"),

@@ -37,7 +37,7 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     different ``comm`` raises :class:`CommError`; options given on later calls still apply.
 
     A world of one MPI process while ``WORLD_SIZE`` > 1 is set (``torchrun`` or another
-    launcher without MPI) raises :class:`CommError` naming the launcher and the fix
+    launcher without MPI), or in an ``srun`` step of several tasks, raises :class:`CommError` naming the launcher and the fix
     (``mpiexec -n N python script.py``), since every process would otherwise run alone.
     """
     global _world, _world_source, _watchdog
@@ -76,24 +76,50 @@ def on_init(hook: Any) -> None:
 
 def check_launcher(environ: Any) -> None:
     """Raise :class:`CommError` when ``environ`` says the job has ``WORLD_SIZE`` > 1
-    processes but MPI sees a world of one: the processes were started by ``torchrun``
-    (which sets ``TORCHELASTIC_RUN_ID`` and ``GROUP_RANK``) or another launcher, not by
-    ``mpiexec``, and commlib could not form the job's world from the launcher's store
-    (:mod:`commlib.launch` says why: ``COMMLIB_LAUNCH=mpi``, ``mpi4py.MPI`` imported
-    first, a missing variable...), so each process would run alone."""
+    processes, or this process is a task of an ``srun`` step of more than one task
+    (``SLURM_STEP_ID``, ``SLURM_STEP_NUM_TASKS``), but MPI sees a world of one: the
+    processes were started by ``torchrun`` (which sets ``TORCHELASTIC_RUN_ID`` and
+    ``GROUP_RANK``), ``srun`` or another launcher, not by ``mpiexec``, and commlib could
+    not form the job's world from the launcher's store (:mod:`commlib.launch` says why:
+    ``COMMLIB_LAUNCH=mpi``, ``mpi4py.MPI`` imported first, a missing variable, an
+    ``srun --mpi=pmix`` step...), so each process would run alone. Under ``srun``,
+    ``COMMLIB_LAUNCH=mpi`` says the tasks are meant to run alone (a sweep): no error."""
     try:
         n = int(environ.get("WORLD_SIZE", ""))
     except ValueError:
-        return
+        n = 0
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", ""))
+    # An srun task without a per-process RANK (a WORLD_SIZE the batch script exported
+    # for the job does not make it torchrun's), as commlib.launch reads it.
+    slurm = step != "" and "RANK" not in environ
+    if slurm:
+        try:
+            n = int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS", ""))
+        except ValueError:
+            return
+        if environ.get("COMMLIB_LAUNCH", "").strip().lower() == "mpi":
+            return
     if n <= 1 or MPI.COMM_WORLD.Get_size() != 1:
         return
+    from . import launch
+    why = launch.why_not() or "it was not attempted"
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
+    if slurm:
+        job = environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID", "?"))
+        raise CommError(
+            f"commlib.init (task {environ.get('SLURM_PROCID', '?')} of {n} of Slurm step "
+            f"{job}.{step}): this process was started by srun, but MPI sees a world of 1 "
+            f"process, so each task would run alone: commlib did not form the step's MPI "
+            f"world because {why}. Fix that: import commlib before mpi4py.MPI; under "
+            f"`srun --mpi=pmix` (or a cluster whose MpiDefault is pmix) the mpich wheel, "
+            f"which speaks PMI-1 only, cannot use Slurm's PMIx server: run "
+            f"`srun --mpi=none python {script}` (commlib forms the world from a store on "
+            f"the step's first node) or `srun --mpi=pmi2 python {script}` (Slurm's PMI "
+            f"server). If every task is meant to run alone, set COMMLIB_LAUNCH=mpi.")
     if "TORCHELASTIC_RUN_ID" in environ or "GROUP_RANK" in environ:
         launcher = "torchrun (TORCHELASTIC_RUN_ID/GROUP_RANK are set)"
     else:
         launcher = "a launcher that is not an MPI launcher"
-    from . import launch
-    why = launch.why_not() or "it was not attempted"
-    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
     raise CommError(
         f"commlib.init (rank {environ.get('RANK', '?')} of WORLD_SIZE={n}): this process was "
         f"started by {launcher}, but MPI sees a world of 1 process, so each process would "

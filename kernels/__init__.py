@@ -1,4 +1,4 @@
-"""Gradient compression kernels for commlib: min-max uint8 and 1-bit sign.
+"""Gradient compression kernels for commlib: min-max uint8, min-max int4 and 1-bit sign.
 
 Each compressor produces ONE contiguous uint8 buffer that describes itself (see
 ``kernels._layout`` for the byte layout), so a piece can travel alone through an MPI
@@ -14,6 +14,10 @@ API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)
                   nonfinite="raise", residual_out=None) -> Array[uint8]
                                           # updates residual in place, or into residual_out
     decompress_sign(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
+    quantize_minmax_int4(x: Array, chunk_size: int = 2048, *, out=None, impl=None,
+                         nonfinite="raise") -> Array[uint8]     # chunk_size even
+    dequantize_minmax_int4(buf: Array, out: Array | None = None, *, impl=None) -> Array[f32]
+    header_bytes(numel, chunk_size=2048, kind="minmax_int4") -> numpy uint8 (32,)
     decompress(buf: Array, out=None, *, impl=None) -> Array[f32]   # either kind
     compressed_nbytes(numel: int, chunk_size: int = 2048, kind: str = "minmax_uint8") -> int
     read_header(buf: Array) -> Layout     # kind, numel, chunk_size, nchunks, nbytes
@@ -41,6 +45,11 @@ the chunk's min and max as float32 and one code per element,
 ``x' = min(min + (q * (1 / 255)) * (max - min), max)`` (float32 throughout; the exact
 sequence of operations is in ``kernels._arith``). Constant chunks are exact. The error
 per element is at most ``(max - min) / 510`` plus float32 rounding.
+
+Min-max int4: as min-max uint8 with 15 levels, two codes per byte (low nibble first),
+every chunk stored whole (the last one padded with its last element's code); decoded as
+``min(min + code * ((max - min) / 15), max)``. Its two sections (parameters, codes) are
+byte for byte the wire format of ``commlib.algorithms.int4`` (tested against it).
 
 1-bit sign with error feedback: compresses ``v = x + residual``; stores per chunk the
 scale ``mean |v|`` (float32) and one bit per element (1 = negative; +0.0 and -0.0 count
@@ -76,10 +85,12 @@ _threads.configure()  # before anything imports Numba
 from ._api import (DEFAULT_CHUNK_SIZE, NONFINITE_MODES, all_chunks_finite, compress_sign,
                    compressed_nbytes, decompress, decompress_sign, dequantize_minmax_uint8,
                    quantize_minmax_uint8, read_header)
-from ._layout import MINMAX_UINT8, SIGN1, Layout
+from ._int4 import dequantize_minmax_int4, header_bytes, quantize_minmax_int4
+from ._layout import MINMAX_INT4, MINMAX_UINT8, SIGN1, Layout
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "MINMAX_INT4",
     "MINMAX_UINT8",
     "NONFINITE_MODES",
     "SIGN1",
@@ -89,7 +100,10 @@ __all__ = [
     "compressed_nbytes",
     "decompress",
     "decompress_sign",
+    "dequantize_minmax_int4",
     "dequantize_minmax_uint8",
+    "header_bytes",
+    "quantize_minmax_int4",
     "quantize_minmax_uint8",
     "read_header",
 ]

@@ -15,7 +15,7 @@ from . import _cuda_io as D
 from . import _minmax_cpu, _sign_cpu
 from ._arith import NON_FINITE, RANGE_OVERFLOW
 from ._cuda import load_cuda
-from ._layout import (HEADER_NBYTES, MINMAX_UINT8, SIGN1, Layout, make_layout, pack_header,
+from ._layout import (HEADER_NBYTES, MINMAX_INT4, MINMAX_UINT8, SIGN1, Layout, make_layout, pack_header,
                       parse_header, sections)
 
 #: Elements per chunk unless told otherwise: 8 bytes of min/max per 2048 codes (0.4 %),
@@ -40,7 +40,7 @@ Array = Any  # numpy.ndarray | torch.Tensor | cupy.ndarray
 def compressed_nbytes(numel: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
                       kind: str = MINMAX_UINT8) -> int:
     """Length in bytes of the compressed buffer of ``numel`` elements (``kind`` is
-    ``"minmax_uint8"`` or ``"sign1"``); the same for every input of that size."""
+    ``"minmax_uint8"``, ``"sign1"`` or ``"minmax_int4"``); the same for every input of that size."""
     return make_layout(kind, numel, chunk_size).nbytes
 
 
@@ -115,6 +115,9 @@ def _chunk_bytes(lay: Layout, c: int) -> tuple[int, int]:
     length = min(lay.chunk_size, lay.numel - start)
     if lay.kind == MINMAX_UINT8:
         return start, start + length
+    if lay.kind == MINMAX_INT4:  # whole chunks, padding included
+        half = lay.chunk_size // 2
+        return c * half, (c + 1) * half
     first = c * lay.bits_stride
     return first, first + -(-length // 8)
 
@@ -423,4 +426,7 @@ def decompress(buf: Array, out: Array | None = None, *, impl: str | None = None)
     kind = read_header(buf).kind
     if kind == MINMAX_UINT8:
         return dequantize_minmax_uint8(buf, out, impl=impl)
+    if kind == MINMAX_INT4:
+        from ._int4 import dequantize_minmax_int4
+        return dequantize_minmax_int4(buf, out, impl=impl)
     return decompress_sign(buf, out, impl=impl)

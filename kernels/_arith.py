@@ -29,6 +29,14 @@ underflows for subnormal ranges, and ``(q / 255) * rng <= rng`` cannot overflow.
 final ``min`` keeps ``x'`` inside ``[lo, hi]`` where the products round up. Here a GPU
 may fuse the multiply and the add, so dequantized values agree to within rounding.
 
+Min-max int4 (``kernels._int4``), per chunk as above but with 15 levels and a per-chunk
+step for decoding (the arithmetic of ``commlib.algorithms.int4``, bit for bit):
+
+    scale = 15 / (rng * pre)                         (0 codes if rng == 0)
+    q[i]  = rint(((x[i] - lo) * pre) * scale)        in [0, 15] by the same argument
+    step  = rng / 15
+    x'[i] = min(lo + float32(q[i]) * step, hi)       (a GPU may fuse this multiply-add)
+
 1-bit sign with error feedback, per chunk of ``n`` elements of ``v = x + residual``:
 
     acc[j]  = sum of |v[s + j + 32 k]| over k = 0, 1, ... in increasing k    (j < 32 lanes)
@@ -50,6 +58,7 @@ F0 = np.float32(0.0)
 F1 = np.float32(1.0)
 F255 = np.float32(255.0)
 INV255 = np.float32(1.0 / 255.0)
+F15 = np.float32(15.0)
 TINY_RANGE = np.float32(2.0**-64)
 TINY_PRE = np.float32(2.0**64)
 INF = np.float32(np.inf)

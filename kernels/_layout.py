@@ -5,7 +5,7 @@ Every compressed buffer starts with a 32-byte little-endian header::
     offset  size  field
          0     4  magic b"CLKC"
          4     1  version (1)
-         5     1  kind: 1 = minmax_uint8, 2 = sign1
+         5     1  kind: 1 = minmax_uint8, 2 = sign1, 3 = minmax_int4
          6     2  reserved, 0
          8     8  numel       uint64, elements of the original (flattened) input
         16     8  chunk_size  uint64, elements per chunk (the last chunk may be shorter)
@@ -21,6 +21,14 @@ followed by two sections; with ``nchunks = ceil(numel / chunk_size)``:
     then the sign bits: chunk ``c`` starts at byte ``c * ceil(chunk_size / 8)`` of the
     section and occupies ``ceil(len_c / 8)`` bytes; element ``k`` of the chunk is bit
     ``k % 8`` (least significant bit first) of byte ``k // 8``; bit 1 means negative.
+``minmax_int4`` (``chunk_size`` even)
+    offset 32: ``nchunks`` pairs of float32 ``(min, max)``;
+    then ``chunk_size / 2`` bytes per chunk, every chunk whole: chunk ``c`` starts at
+    byte ``c * chunk_size / 2``; element ``k`` of the chunk is the low nibble of byte
+    ``k // 2`` for even ``k``, the high nibble for odd ``k``. The last chunk's positions
+    past ``numel`` hold the code of the last element (the chunk padded with its last
+    value), so the two sections are exactly the wire format of
+    ``commlib.algorithms.int4``.
 
 The buffer is zero-padded to a multiple of 8 bytes, so pieces laid end to end (an
 alltoall or allgather receive buffer) keep every header and float32 section aligned.
@@ -46,9 +54,10 @@ ALIGN = 8
 
 MINMAX_UINT8 = "minmax_uint8"
 SIGN1 = "sign1"
-_KIND_CODES = {MINMAX_UINT8: 1, SIGN1: 2}
+MINMAX_INT4 = "minmax_int4"
+_KIND_CODES = {MINMAX_UINT8: 1, SIGN1: 2, MINMAX_INT4: 3}
 _KIND_NAMES = {code: name for name, code in _KIND_CODES.items()}
-_PARAMS_PER_CHUNK = {MINMAX_UINT8: 2, SIGN1: 1}
+_PARAMS_PER_CHUNK = {MINMAX_UINT8: 2, SIGN1: 1, MINMAX_INT4: 2}
 
 _HEADER = struct.Struct("<4sBBHQQQ")
 assert _HEADER.size == HEADER_NBYTES
@@ -90,6 +99,8 @@ class Layout:
     def data_nbytes(self) -> int:
         if self.kind == MINMAX_UINT8:
             return self.numel
+        if self.kind == MINMAX_INT4:
+            return self.nchunks * (self.chunk_size // 2)
         if self.nchunks == 0:
             return 0
         last = self.numel - (self.nchunks - 1) * self.chunk_size
@@ -115,7 +126,11 @@ def make_layout(kind: str, numel: int, chunk_size: int) -> Layout:
         raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(_KIND_CODES)}")
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
-    return Layout(kind, int(numel), check_chunk_size(chunk_size))
+    chunk_size = check_chunk_size(chunk_size)
+    if kind == MINMAX_INT4 and chunk_size % 2:
+        raise ValueError(f"chunk_size must be even for {kind} (two codes per byte), "
+                         f"got {chunk_size}")
+    return Layout(kind, int(numel), chunk_size)
 
 
 def pack_header(lay: Layout) -> np.ndarray:

@@ -57,6 +57,10 @@ KWARGS = {
     "async_model_average": {"sync_interval_ms": 2, "warmup_steps": 0},  # rounds in flight
     "d_kfac": {"lr": 0.05, "factor_update_steps": 2, "inv_update_steps": 4},
     "dp_kfac": {"lr": 0.05, "factor_update_steps": 2, "inv_update_steps": 4},
+    "diloco": {"sync_every": 4},                      # outer steps at 4, 8, 12 (the fault's)
+    "streaming_diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1,
+                         "quantize": "int4"},         # an exchange in flight at step 12
+    "powersgd": {"rank": 2, "start_iter": 4},         # compressed from step 4
 }
 BUCKET_CAP_MB = 0.01  # ~10 KB: the 44 KB model spans 6 buckets
 

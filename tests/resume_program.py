@@ -47,14 +47,30 @@ CONFIGS = {
     "async_model_average": ("async_model_average", dict(sync_interval_ms=1, warmup_steps=2),
                             "sgd"),
     "async_no_warmup": ("async_model_average", dict(sync_interval_ms=1), "sgd"),
+    # rounds in steps, K=4: the round launched after iteration 3 in flight, due after 4
+    "async_steps": ("async_model_average", dict(sync_every_steps=2, warmup_steps=1), "sgd"),
     "d_kfac": ("d_kfac", KFAC, "sgd"),
     "dp_kfac": ("dp_kfac", KFAC, "sgd"),
+    "diloco": ("diloco", dict(sync_every=3), "sgd"),                     # saved mid-period
+    "diloco_due": ("diloco", dict(sync_every=2, outer_nesterov=False), "sgd"),  # step pending
+    # K=4: fragment 0's int4 exchange (launched at 3) in flight, its outer step pending
+    "streaming_diloco": ("streaming_diloco", dict(sync_every=4, num_fragments=2,
+                                                  fragment_sync_delay=1, quantize="int4",
+                                                  error_feedback=True,
+                                                  fragment_update_alpha=0.5), "sgd"),
+    "streaming_diloco_int8": ("streaming_diloco", dict(sync_every=6, num_fragments=3,
+                                                       quantize="int8"), "sgd"),
+    "powersgd": ("powersgd", dict(rank=2, start_iter=2), "sgd"),         # compressing
+    "powersgd_no_warm_start": ("powersgd", dict(rank=1, start_iter=2, warm_start=False),
+                               "sgd"),
 }
 #: configs whose trajectory depends on the timing of background rounds
 TIMED = {"async_model_average", "async_no_warmup"}
 #: negative control: resumed without loading the algorithm state, these must differ
 NEEDS_STATE = {"qadam", "qadam_no_warmup", "decentralized_shift_one",
-               "low_precision_decentralized", "local_sgd_due", "d_kfac", "dp_kfac"}
+               "low_precision_decentralized", "local_sgd_due", "d_kfac", "dp_kfac",
+               "diloco", "diloco_due", "async_steps", "streaming_diloco", "streaming_diloco_int8", "powersgd",
+               "powersgd_no_warm_start"}
 
 
 def build(name: str, k: int):

@@ -20,12 +20,13 @@ def results(out: str) -> list[dict]:
                   key=lambda r: r["rank"])
 
 
-@pytest.mark.parametrize("mode,status", [("end", 0), ("end", 0), ("sys_exit", 0),
-                                         ("exception", 1)])
+@pytest.mark.parametrize("mode,status", [("end", 0), ("sys_exit", 0), ("exception", 1)])
 def test_script_ending_without_close_exits_cleanly(mode, status):
-    """The job of the report: 200 steps at 4 ranks, sync_interval_ms=5, no close(); it
-    crashed at exit in 5 of 8 runs (heap corruption, SIGSEGV, "terminate called")."""
-    code, seconds, out = run_mpi(4, [PROGRAM, mode], timeout=240, COMMLIB_TIMEOUT="60",
+    """The job of the report at 4 ranks, sync_interval_ms=5, no close() (it crashed at exit
+    in 5 of 8 runs of 200 steps: heap corruption, SIGSEGV, "terminate called"); 100 steps
+    here: averaging rounds run until the end all the same (checked below)."""
+    code, seconds, out = run_mpi(4, [PROGRAM, mode, "--steps", "100"], timeout=240,
+                                 COMMLIB_TIMEOUT="60",
                                  COMMLIB_ABORT_ON_EXCEPTION="0")
     assert not CRASH.search(out), out[-3000:]
     assert code == status, f"status {code}:\n{out[-3000:]}"
@@ -42,7 +43,10 @@ def test_exit_with_a_peer_gone_is_bounded():
     assert not CRASH.search(out), out[-3000:]
     assert code == 71, f"status {code}:\n{out[-3000:]}"
     assert "BackgroundAverager running" in out and "still running at exit" in out, out[-3000:]
-    assert seconds < 50, seconds
+    # the whole job (start-up, 60 steps, the 10 s bound) well inside the outer timeout: a
+    # hang would be COMMLIB_TIMEOUT (60 s) at exit on top of the rest; 50 s was too tight on
+    # a loaded machine (52 s at load average 25)
+    assert seconds < 100, seconds
 
 
 def test_a_failing_averaging_thread_ends_averaging_everywhere():

@@ -263,3 +263,24 @@ def test_mixed_precision_bfloat16_trains():
     assert losses[-1] < 0.8 * losses[0], losses
     with pytest.raises(TypeError, match="param_dtype"):
         commlib.FullyShardedDataParallel(make_model(), mixed_precision={"param_dtype": "bf16"})
+
+
+def test_mixed_precision_casts_keyword_inputs():
+    """Keyword inputs of the forward are cast to param_dtype like positional ones (a
+    keyword tensor raised NameError in the cast before)."""
+    from commlib.sharded import MixedPrecision
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x, *, scale):
+            assert scale.dtype == torch.float32, scale.dtype
+            return self.fc(x) * scale
+
+    fsdp = commlib.FullyShardedDataParallel(Scaled().double(),
+                                            mixed_precision=MixedPrecision(torch.float32))
+    out = fsdp(torch.ones(3, 4, dtype=torch.float64), scale=torch.tensor(2.0, dtype=torch.float64))
+    assert out.dtype == torch.float32
+    fsdp.close()

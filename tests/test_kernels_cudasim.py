@@ -127,3 +127,24 @@ def test_nan_chunks_are_byte_identical():
 def test_range_overflow_raises_on_the_cuda_path():
     with pytest.raises(ValueError, match="max - min beyond the float32 range"):
         kernels.quantize_minmax_uint8(np.array([-3e38, 3e38], F32), 2, impl="cuda")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator only
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_int4_quantize_is_byte_identical():
+    """Every case (chunk sizes made even), plus NaN chunks: CUDA kernel == CPU twin, and
+    the CPU twin == ``commlib.algorithms.int4``'s torch operations (test_kernels_int4)."""
+    cases = dict(CASES)
+    nan = np.linspace(-1, 1, 300, dtype=F32)
+    nan[70], nan[200], nan[250], nan[251] = np.nan, -np.inf, -3e38, 3e38
+    cases["nan-chunks"] = (nan, 60)
+    for name, (x, chunk) in sorted(cases.items()):
+        chunk += chunk % 2
+        mode = "nan" if name == "nan-chunks" else "raise"
+        cpu = kernels.quantize_minmax_int4(x, chunk, impl="cpu", nonfinite=mode)
+        gpu = kernels.quantize_minmax_int4(x, chunk, impl="cuda", nonfinite=mode)
+        assert np.array_equal(cpu, gpu), name
+        assert np.array_equal(_bits(kernels.dequantize_minmax_int4(cpu, impl="cpu")),
+                              _bits(kernels.dequantize_minmax_int4(cpu, impl="cuda"))), name
+    with pytest.raises(ValueError, match=r"quantize_minmax_int4: chunk 1 .* contains NaN"):
+        kernels.quantize_minmax_int4(nan, 60, impl="cuda")

@@ -14,11 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 LAYERS = [
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
      "mpi_env", "shutdown", "shm", "launch"},
-    {"watchdog", "communicator", "exits", "runtime"},
+    {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "agreement"},
     {"primitives", "timeline", "topology"},
     {"algorithms"},
     {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",
-     "horovod"},
+     "elastic", "horovod"},
     {"commlib", "examples", "info", "selftest", "run", "integrations", "__main__"},
 ]
 

@@ -17,7 +17,8 @@ ENTRY_POINT_GROUP = "commlib.algorithms"
 _registry: dict[str, type] = {}
 _entry_points_loaded = False
 _BUILTINS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
-             "qadam", "local_sgd", "async_model_average", "d_kfac", "dp_kfac")
+             "qadam", "local_sgd", "async_model_average", "d_kfac", "dp_kfac", "diloco",
+             "streaming_diloco", "powersgd")
 
 T = TypeVar("T", bound=type)
 

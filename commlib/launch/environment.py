@@ -22,7 +22,9 @@ slurm          inside an ``srun`` step (``SLURM_STEP_ID`` is set; a batch script
 =============  ==========================================================================
 
 torchrun's variables win when both are present (torchrun started by ``srun``, one agent
-per node). An MPI launcher is recognised by the PMI/PMIx/hydra/Open MPI variables it sets
+per node: ``RANK`` is set); an srun task without ``RANK`` is Slurm's even when the batch
+script exported ``WORLD_SIZE`` (it must then equal the step's task count),
+``MASTER_ADDR`` or ``MASTER_PORT`` (they are used). An MPI launcher is recognised by the PMI/PMIx/hydra/Open MPI variables it sets
 (:data:`MPI_LAUNCHER_VARIABLES`); then nothing here applies and MPI forms its world as
 always.
 
@@ -119,7 +121,9 @@ def detect(environ: Mapping[str, str] | None = None, pid: int | None = None) -> 
     var = mpi_launcher(env)
     if var is not None:
         raise NoJob(f"started by an MPI launcher ({var} is set)")
-    if "WORLD_SIZE" in env or "RANK" in env:
+    # A batch script often exports WORLD_SIZE (and MASTER_ADDR/MASTER_PORT) for the whole
+    # job before `srun`: without a per-process RANK, an srun task is Slurm's.
+    if "RANK" in env or ("WORLD_SIZE" in env and "SLURM_PROCID" not in env):
         return _torch_style(env)
     if "SLURM_PROCID" in env:
         return _slurm(env)
@@ -184,6 +188,10 @@ def _slurm(env: Mapping[str, str]) -> Job:
     size = (_optional_int(env, "SLURM_STEP_NUM_TASKS")
             or _int(env, "SLURM_NTASKS", who))
     _check_rank(rank, size, who, "SLURM_PROCID/SLURM_NTASKS")
+    world_size = env.get("WORLD_SIZE", "")
+    if world_size and world_size != str(size):
+        raise NoJob(f"{who}: WORLD_SIZE={world_size!r} (set for the job) but the srun step "
+                    f"has {size} tasks (SLURM_STEP_NUM_TASKS/SLURM_NTASKS)")
     addr = env.get("MASTER_ADDR", "")
     if not addr:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""

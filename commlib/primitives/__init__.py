@@ -14,6 +14,7 @@ from .reduce import reduce
 from .reduce_scatter import block_offsets, block_sizes, reduce_scatter
 from .scatter import scatter
 from .work import Work
+from . import ft as _ft  # noqa: F401  (fault-tolerant mode starts at init)
 
 __all__ = [
     "CompressionState", "Group", "PEER_MODES", "Work", "compressed_allreduce",

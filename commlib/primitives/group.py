@@ -98,6 +98,16 @@ class Group:
     def barrier(self, async_op: bool = False) -> Any:
         return barrier(self, async_op)
 
+    def shrink(self, value: Any = 0, timeout: float | None = None) -> "Group":
+        """Fault-tolerant mode: the group of the members still alive, agreed by the
+        survivors, who all call it (see :func:`shrink`)."""
+        return shrink(self, value, timeout)
+
+    def grow(self, n: int, command: str | None = None, args: list[str] | None = None,
+             info: dict | None = None) -> "Group":
+        """Fault-tolerant mode, on the world: ``n`` new ranks join (see :func:`grow`)."""
+        return grow(n, self, command, args, info)
+
     def free(self) -> None:
         """Release the group's communicators (on every member, once it is no longer used);
         its collectives raise afterwards."""
@@ -175,6 +185,59 @@ def group_from_ranks(ranks: Sequence[int], parent: Group | None = None,
     index = {w: i for i, w in enumerate(parent_comm.world_ranks)}
     comm = parent_comm.create_group([index[r] for r in ranks], f"group{ranks}")
     return Group(comm, ranks, hierarchical)
+
+
+def shrink(group: Group | None = None, value: Any = 0, timeout: float | None = None) -> Group:
+    """Collective over the survivors of ``group`` (default: the world): the group of the
+    members still alive, in the same order, on a new communicator (fault-tolerant mode,
+    ``COMMLIB_FAULT_TOLERANT=1``; see :mod:`commlib.fault_tolerance`).
+
+    Call it on every survivor after :class:`~commlib.errors.PeerFailure` (a survivor that
+    has not seen the failure yet gets it in its next collective on any fault-tolerant
+    group). ``value`` (any picklable, orderable value: e.g. the step each rank has
+    committed) is agreed with the others: the returned group's ``agreement``
+    (:class:`commlib.agreement.Decision`) has every member's value and, the same on every
+    member, ``min``, ``max`` and ``holder`` (the first member holding ``max``). A rank that
+    dies during the call makes the survivors agree again, without it. The world shrinks
+    with it: when ``group`` is the world, ``commlib.world()``, ``get_rank()`` and
+    ``get_world_size()`` describe the survivors' group afterwards (group ranks are ranks in
+    the new group; the world ranks in ``group.ranks`` stay the job's). The old group's
+    communicators are kept, never freed (MPI may still use them). Raises
+    :class:`~commlib.errors.CommError` after ``timeout`` seconds (default
+    ``COMMLIB_TIMEOUT``) without an agreement. Fault-tolerant mode only.
+    """
+    from . import ft
+    comm = (group or world()).comm
+    if comm is None:
+        raise ValueError(f"{where('shrink', runtime.get_rank())}: this rank is not a member "
+                         f"of the group")
+    new, decision = ft.shrink(comm, value, timeout)
+    result = Group(new, decision.members, getattr(group, "hierarchical", False))
+    result.agreement = decision
+    return result
+
+
+def grow(n: int, group: Group | None = None, command: str | None = None,
+         args: list[str] | None = None, info: dict | None = None) -> Group:
+    """Collective over the world (every member alive; fault-tolerant mode, under
+    ``mpiexec``): ``n`` processes are spawned (``MPI_Comm_spawn``; default: this Python
+    running ``sys.argv``, i.e. the same script; ``info``: ``MPI_Info`` keys such as
+    ``{"host": "node3"}``) and merged in after the members: the returned group, of world
+    ranks ``0..size-1`` (the members in their order, then the newcomers), is the world from
+    then on. The newcomers join in their own ``commlib.init()`` (there
+    ``commlib.primitives.ft.joined`` is True) and must then take part in whatever the
+    members do next, e.g. receive the training state (``commlib.elastic.run`` does both).
+    A failure meanwhile raises :class:`~commlib.errors.PeerFailure`. Not survived
+    afterwards: the death of a spawned rank (hydra's ``mpiexec`` fails an assertion), and a
+    death seen only by the processes of the other MPI world (``MPIX_Comm_get_failed`` reads
+    each world's own list)."""
+    from . import ft
+    comm = (group or world()).comm
+    if comm is None:
+        raise ValueError(f"{where('grow', runtime.get_rank())}: this rank is not a member "
+                         f"of the group")
+    new = ft.grow(comm, n, command, args, info)
+    return Group(new, new.world_ranks, getattr(group, "hierarchical", False))
 
 
 def _check_ranks(ranks: list[int], parent_comm: Communicator, op: str, rank: int) -> None:

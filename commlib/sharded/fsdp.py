@@ -48,6 +48,7 @@ from . import nesting
 from . import state as _state
 from .chunks import Chunk, detach_parameters, owned_chunks, plan, scope
 from .groups import resolve_group
+from .quantized import DEFAULT_BLOCK, node_group, quantization_blocks
 from .stream import FULLS, ChunkSchedule
 
 class ShardingStrategy(str, enum.Enum):
@@ -105,6 +106,23 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     ``param_dtype`` (half the bytes gathered), reduce in ``reduce_dtype``, keep the shards
     and the optimizer in the parameters' dtype.
 
+    Compressed sharding (ZeRO++, see :mod:`commlib.sharded.quantized`): the master shards
+    and the optimizer stay in full precision; only what crosses the wire is quantized, in
+    min-max 8-bit blocks of ``quantization_block_size`` elements (one byte an element plus
+    8 bytes of ``(min, max)`` a block), each element within ``(max - min) / 510`` of its
+    block. ``weight_quantization="int8"`` (qwZ, FULL_SHARD only): every gather of a chunk
+    (forward and backward) sends the shard quantized; every rank decodes the same values,
+    so the replicas compute with identical weights (state dicts stay exact).
+    ``gradient_quantization="int8"`` (qgZ, FULL_SHARD or SHARD_GRAD_OP): a chunk's
+    gradient is reduce-scattered through one ``alltoall`` of quantized parts, decoded and
+    summed in float64. ``secondary_shard="node"`` (hpZ, FULL_SHARD only): each forward
+    gather also leaves this rank its ``1/m`` slice of the chunk among the ``m`` ranks of
+    its node (``COMMLIB_LOCAL_SIZE`` blocks, else the host; nodes of equal size), so the
+    backward re-gathers run inside the node only, on exactly the forward's values; costs
+    ``padded / m`` elements of the compute dtype per chunk, held from a chunk's forward
+    gather until the shard changes (``memory_bytes()["secondary"]``). ``ValueError``
+    naming the argument for any other value.
+
     Two private communicators are released by :meth:`close` (also at garbage collection;
     MPI has about 2000: call ``close()`` when a wrapper is replaced).
     """
@@ -113,7 +131,10 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                  ShardingStrategy.FULL_SHARD, group: Any = None, *,
                  process_group: Any = None, chunk_size_mb: float = 4.0,
                  param_groups: list[dict] | None = None, mixed_precision: Any = None,
-                 sync_module_states: bool = True) -> None:
+                 sync_module_states: bool = True, weight_quantization: str | None = None,
+                 gradient_quantization: str | None = None,
+                 quantization_block_size: int = DEFAULT_BLOCK,
+                 secondary_shard: str | None = None) -> None:
         super().__init__()
         self._closed = True   # until the communicators exist
         rank = runtime.get_rank()
@@ -131,6 +152,21 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         if not chunk_size_mb > 0:
             raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
                              f"'chunk_size_mb' must be > 0, got {chunk_size_mb!r}")
+        self._weight_block, self._grad_block = quantization_blocks(
+            self.sharding_strategy.value, weight_quantization, gradient_quantization,
+            quantization_block_size, rank)
+        self.weight_quantization, self.gradient_quantization = (weight_quantization,
+                                                                gradient_quantization)
+        if secondary_shard not in (None, "node"):
+            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
+                             f"'secondary_shard' must be None or 'node', got "
+                             f"{secondary_shard!r}")
+        if secondary_shard and self.sharding_strategy is not ShardingStrategy.FULL_SHARD:
+            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
+                             f"'secondary_shard' needs sharding_strategy FULL_SHARD, got "
+                             f"{self.sharding_strategy.value}")
+        self.secondary_shard = secondary_shard
+        self._node_group = None
         self.mixed_precision = mixed_precision
         param_dtype = _dtype(mixed_precision, "param_dtype", rank)
         self._reduce_dtype = _dtype(mixed_precision, "reduce_dtype", rank) or param_dtype
@@ -152,6 +188,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         self._closed = False
         self.rank, self.world_size = self.process_group.rank, self.process_group.size
         try:
+            if secondary_shard:
+                self._node_group = node_group(self.process_group)
             self._agree(nesting.refusal(inside, nested, self.process_group.ranks))
             self._setup(inside, nested, param_groups, param_dtype, buffer_dtype,
                         chunk_size_mb, sync_module_states)
@@ -159,6 +197,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             self._closed = True
             self.process_group.free()
             self._reduce_group.free()
+            if self._node_group is not None:
+                self._node_group.free()
             raise
 
     def _agree(self, refusal: str | None) -> None:
@@ -225,6 +265,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         # caller computes), in the order the caller requests them, identical on every rank.
         self._gather_engine = Engine(threaded, name="commlib-fsdp-gather")
         self._inflight: dict[int, tuple[Any, int]] = {}   # chunk -> (future, shard version)
+        # hpZ: chunk -> (this rank's slice of the node's copy, shard version it was made at)
+        self._secondary: dict[int, tuple[torch.Tensor, int]] = {}
         self._recv_pool: dict[tuple, list[torch.Tensor]] = {}
         self.prefetch = 1 if self._full_shard else len(chunks)
         self._order: list[int] | None = None   # chunks in first-use order (first forward)
@@ -368,7 +410,9 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                     for c in self._chunks if c.shard.grad is not None)
         grads += sum(c.full.grad.numel() * c.full.grad.element_size()
                      for c in self._chunks if c.full.grad is not None)
-        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1]}
+        secondary = sum(t.numel() * t.element_size() for t, _ in self._secondary.values())
+        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1],
+               "secondary": secondary}
         if reset_peak:
             self._gathered_bytes[1] = self._gathered_bytes[0]
         return out
@@ -418,6 +462,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                 return   # a thread still inside MPI (at exit): leave its communicator be
         self.process_group.free()
         self._reduce_group.free()
+        if self._node_group is not None:
+            self._node_group.free()
 
     def __del__(self) -> None:
         try:
@@ -426,8 +472,11 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             pass
 
     def extra_repr(self) -> str:
+        quant = "".join(f", {k}={v!r}" for k, v in (
+            ("weight_quantization", self.weight_quantization),
+            ("gradient_quantization", self.gradient_quantization)) if v)
         return (f"sharding_strategy={self.sharding_strategy.value}, chunks={len(self._chunks)}, "
-                f"rank={self.rank}, world_size={self.world_size}")
+                f"rank={self.rank}, world_size={self.world_size}{quant}")
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from torch import nn
 from ..primitives import allgather, allreduce, reduce_scatter
 from ..reduce_ops import ReduceOp
 from .chunks import Chunk
+from .quantized import quantized_reduce_scatter, start_allgather
 
 # id(chunk.full) -> chunk, for every live wrapper: a saved-tensor hook of any wrapper
 # (nested forwards) recognizes any wrapper's parameters
@@ -141,7 +142,19 @@ class ChunkSchedule:
             pool = self._recv_pool.setdefault((c.compute_dtype, c.device, c.padded), [])
             out = pool.pop() if pool else torch.empty(c.padded, dtype=c.compute_dtype,
                                                       device=c.device)
-        future = self._gather_engine.submit(allgather, send, self.process_group, True, out)
+        secondary = self._secondary.get(c.index)
+        if secondary is not None and secondary[1] == c.shard._version:
+            # hpZ: this node's copy of the chunk (what the forward's gather decoded), from
+            # the node's ranks only
+            future = self._gather_engine.submit(allgather, secondary[0], self._node_group,
+                                                True, out)
+        elif self._weight_block and c.shard.is_floating_point() and not c.keep_full:
+            # qwZ: the master shard quantized (full precision in, one byte an element out)
+            future = start_allgather(self._gather_engine, c.shard.detach(),
+                                     self.process_group, self._weight_block, out)
+        else:
+            future = self._gather_engine.submit(allgather, send, self.process_group, True,
+                                                out)
         self._inflight[c.index] = (future, c.shard._version)
 
     def _gather(self, c: Chunk) -> None:
@@ -159,6 +172,12 @@ class ChunkSchedule:
             received = item[0].result().result()
             if not c.keep_full:
                 c.fill(received)
+                if self._node_group is not None and self._in_forward:
+                    # hpZ: keep this rank's slice of the node's copy for backward
+                    m, local = self._node_group.size, self._node_group.rank
+                    part = c.padded // m
+                    self._secondary[c.index] = (
+                        received[local * part:(local + 1) * part].clone(), c.shard._version)
                 self._recv_pool[(c.compute_dtype, c.device, c.padded)].append(received)
         elif c.cast:
             c.fill(c.shard.detach())
@@ -236,6 +255,10 @@ class ChunkSchedule:
             grad = grad.to(self._reduce_dtype)
         if c.shards == 1:
             return allreduce(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
+        if self._grad_block and grad.is_floating_point():
+            # qgZ: quantized parts through one alltoall, decoded and summed in float64
+            return quantized_reduce_scatter(grad.reshape(-1), self._reduce_group,
+                                            self._grad_block)
         return reduce_scatter(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
 
     def _end_backward(self) -> None:
@@ -284,5 +307,5 @@ def cast(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(cast(o, dtype) for o in obj)
     if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
+        return {k: cast(v, dtype) for k, v in obj.items()}
     return obj

@@ -1,0 +1,328 @@
+"""``commlib.elastic.State``: what training needs to go on after a failure, committed in
+memory, restored on the survivors, sent to the ranks that lack it."""
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CommError
+from ..primitives import broadcast, world
+
+# How each algorithm's state survives a failure (see the State docstring).
+REPLICATED = "replicated"      # every replica holds the same state at a commit
+PER_RANK = "per_rank"          # replicas differ: each restores its own snapshot
+SYNCED = "synced"              # replicas equal at each average only (local SGD)
+POLICIES = {"gradient_allreduce": REPLICATED, "bytegrad": REPLICATED,
+            "decentralized": PER_RANK, "local_sgd": SYNCED}
+UNSUPPORTED = {
+    "qadam": "its error-feedback residuals are per rank and tied to the world size",
+    "low_precision_decentralized": "its compression residuals are per rank and tied to the "
+                                   "world size",
+    "async_model_average": "its background rounds are not tied to steps, so no step can be "
+                           "agreed",
+    "d_kfac": "its layer assignment and factors are tied to the world size",
+    "dp_kfac": "its layer assignment and factors are tied to the world size",
+    "powersgd": "its error-feedback residuals are per rank and tied to the world size",
+    "diloco": "its outer step is not yet committed and restored (the partial round would "
+              "have to be discarded at the last outer step, as local_sgd does)",
+    "streaming_diloco": "its fragments' outer steps are not yet committed and restored",
+}
+#: Test hook: recover without the survivors' step agreement (each rank goes on from its own
+#: last commit). Wrong on purpose, for the negative control of the tests.
+_SKIP_AGREEMENT = False
+
+
+class _Snapshot:
+    """A commit: the step, the user's values and, when kept, copies of the model, the
+    optimizer and the algorithm state."""
+
+    def __init__(self, step: int, values: dict, model: Any = None, optimizer: Any = None,
+                 algorithm: Any = None) -> None:
+        self.step, self.values = step, values
+        self.model, self.optimizer, self.algorithm = model, optimizer, algorithm
+
+    @property
+    def full(self) -> bool:
+        return self.model is not None
+
+
+class State:
+    """Training state that survives the death of ranks (:func:`commlib.elastic.run`).
+
+    ``model`` (a ``torch.nn.Module``, the one to wrap), ``optimizer`` (a ``torch.optim``
+    optimizer of its parameters), ``sampler`` (an :class:`ElasticSampler`, bound to this
+    state) and any user values given as keywords (``epoch=0``...: read and written as
+    attributes, e.g. ``state.epoch``; picklable). ``group`` is the group training runs on
+    (the world, then the survivors' group), ``step`` the steps committed.
+
+    Call :meth:`commit` after each optimizer step: it counts the step and, every
+    ``commit_every`` steps, records a commit in memory (rank-local, never communicates).
+    What a commit copies depends on the algorithm of the wrapper made by :meth:`wrap`:
+
+    * replicated state (``gradient_allreduce``, ``bytegrad``): with ``commit_every=1``
+      nothing is copied: every survivor holds the state of its last commit, and survivors
+      that are one step behind (one finished the step's exchange just before the death,
+      another did not) receive it by broadcast from one that holds it. Otherwise the model,
+      optimizer and algorithm state are copied at each commit and restored.
+    * ``decentralized`` (replicas differ): each commit copies this rank's model, optimizer
+      and algorithm state (the last ``keep`` commits are kept); the survivors agree on the
+      earliest last commit among them and each restores its own copy of it.
+    * ``local_sgd``: a commit is the average after each ``sync_every``-th step (replicas
+      are equal there), copied when the average is applied; a failure discards the partial
+      round (the local steps since), as torchft's DiLoCo does.
+
+    ``scale_lr``: after a shrink multiply each parameter group's ``lr`` by
+    ``new size / old size`` (for jobs whose per-rank batch is fixed; with
+    :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
+    Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`): ``qadam``,
+    ``low_precision_decentralized``, ``async_model_average``, ``d_kfac``, ``dp_kfac``,
+    ``powersgd``, ``diloco``, ``streaming_diloco``; and
+    ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None,
+                 sampler: Any = None, *, commit_every: int = 1, keep: int = 2,
+                 scale_lr: bool = False, **values: Any) -> None:
+        if int(commit_every) < 1 or int(keep) < 2:
+            raise ValueError(f"State: need commit_every >= 1 and keep >= 2, got "
+                             f"commit_every={commit_every}, keep={keep}")
+        _refuse_sharded(optimizer)
+        d = self.__dict__
+        d["model"], d["optimizer"], d["sampler"] = model, optimizer, sampler
+        d["commit_every"], d["keep"], d["scale_lr"] = int(commit_every), int(keep), scale_lr
+        d["values"] = dict(values)
+        d["step"] = 0
+        d["group"] = None
+        d["target_size"] = 0        # the world size to grow back to (run(replace=True))
+        d["policy"] = REPLICATED
+        d["_wrapper"] = None
+        d["_commits"]: list[_Snapshot] = []
+        d["_optimizer_steps"] = 0   # optimizer steps taken (a post hook counts them)
+        d["_steps_at_commit"] = 0
+        d["_clean"] = True          # the live state is the one of the last commit
+        d["recoveries"] = []        # what each recovery agreed (for logs and tests)
+        if sampler is not None and hasattr(sampler, "state"):
+            sampler.state = self
+        if optimizer is not None:
+            optimizer.register_step_post_hook(self._counted)
+        self._record(full=False)
+
+    # -- user values as attributes -----------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"State has no attribute or value {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__ and name != "values":
+            self.__dict__[name] = value
+        else:
+            self.values[name] = value
+
+    # -- committing -----------------------------------------------------------------------
+    def _counted(self, *args: Any) -> None:
+        self.__dict__["_optimizer_steps"] += 1
+
+    def commit(self) -> None:
+        """Count one completed training step and, every ``commit_every`` steps, commit the
+        state in memory (rank-local; see the class docstring). Call it after each
+        ``optimizer.step()``."""
+        d = self.__dict__
+        d["step"] += 1
+        if self.policy == SYNCED:
+            d["_pending_values"] = (self.step, copy.deepcopy(self.values))
+            return  # the commit is taken when the average is applied
+        if self.step % self.commit_every == 0:
+            full = self.policy == PER_RANK or self.commit_every > 1
+            self._record(full)
+
+    def _record(self, full: bool, step: int | None = None, values: dict | None = None) -> None:
+        d = self.__dict__
+        snap = _Snapshot(self.step if step is None else step,
+                         copy.deepcopy(self.values) if values is None else values)
+        if full:
+            snap.model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            snap.optimizer = (copy.deepcopy(self.optimizer.state_dict())
+                              if self.optimizer is not None else None)
+            snap.algorithm = (self._wrapper.algorithm.state_dict()
+                              if self._wrapper is not None else None)
+        commits = d["_commits"]
+        commits.append(snap)
+        del commits[:-self.keep]
+        d["_steps_at_commit"] = self._optimizer_steps
+        d["_clean"] = True
+
+    @property
+    def last_commit(self) -> int:
+        """The step of the last commit."""
+        return self._commits[-1].step
+
+    # -- the wrapper --------------------------------------------------------------------
+    def wrap(self, module: torch.nn.Module | None = None, **ddp_kwargs: Any) -> Any:
+        """A :class:`commlib.DistributedDataParallel` of ``module`` (default: the state's
+        model) over the state's group, with ``ddp_kwargs`` (``algorithm=``...). Call it at
+        the start of the training function: after a failure :func:`run` closes it and calls
+        the function again, which wraps the model over the survivors (parameters are not
+        broadcast: the state is consistent already)."""
+        from ..ddp import DistributedDataParallel
+        name = ddp_kwargs.get("algorithm", "gradient_allreduce")
+        name = name if isinstance(name, str) else getattr(name, "name", "?")
+        if name in UNSUPPORTED:
+            raise CommError(f"commlib.elastic.State.wrap: algorithm {name!r} is not supported "
+                            f"in elastic training: {UNSUPPORTED[name]}")
+        if name not in POLICIES:
+            raise CommError(f"commlib.elastic.State.wrap: algorithm {name!r} is not known "
+                            f"to commlib.elastic (supported: {sorted(POLICIES)})")
+        ddp_kwargs.setdefault("init_sync", False)
+        if self._wrapper is not None:
+            self.close_wrapper()
+        wrapper = DistributedDataParallel(module if module is not None else self.model,
+                                          process_group=self.group or world(), **ddp_kwargs)
+        d = self.__dict__
+        d["_wrapper"] = wrapper
+        policy = POLICIES[name]
+        if policy != self.policy:
+            d["policy"] = policy
+            self._record(full=policy != REPLICATED or self.commit_every > 1)
+        algo_state = getattr(self, "_algorithm_state", None)
+        if algo_state is not None:
+            algo_state = dict(algo_state, rank=wrapper.process_group.rank,
+                              world_size=wrapper.process_group.size)
+            wrapper.algorithm.load_state_dict(algo_state)
+        if policy == SYNCED:
+            _commit_after_average(self, wrapper)
+        return wrapper
+
+    def close_wrapper(self) -> None:
+        """Close the wrapper of :meth:`wrap` (its exchanges may have failed)."""
+        wrapper, self.__dict__["_wrapper"] = self._wrapper, None
+        if wrapper is not None:
+            try:
+                wrapper.close()
+            except Exception:  # noqa: BLE001 - its communicators failed
+                pass
+
+    # -- recovery (run() calls these) ---------------------------------------------------
+    def _value(self) -> tuple[int, bool]:
+        """What this rank brings to the agreement: its last commit's step, and whether it
+        can restore that commit (its live state is it, or it holds a copy)."""
+        last = self._commits[-1]
+        clean = self._clean and self._optimizer_steps == self._steps_at_commit
+        return (last.step, bool(clean or last.full))
+
+    def _restore(self, group: Any, old_size: int) -> None:
+        """After the shrink to ``group`` (whose ``agreement`` holds every member's
+        :meth:`_value`; the state's group from now on): bring every member to the agreed
+        commit. ``old_size``: the group's size before the failure (``scale_lr``)."""
+        d = self.__dict__
+        d["group"] = group
+        decision = group.agreement
+        mine = self._value()
+        if _SKIP_AGREEMENT:
+            self._restore_own(mine[0])
+        elif self.policy == PER_RANK:
+            self._restore_own(decision.min[0])
+        else:
+            top = decision.max
+            if not top[1]:
+                raise CommError(f"commlib.elastic (rank {group.rank}): no survivor can "
+                                f"restore step {top[0]} (their state moved past their last "
+                                f"commit without a copy: commit after each optimizer step)")
+            if mine == top:
+                self._restore_own(top[0])
+            if any(v != top for v in decision.values.values()):
+                self._receive(group, decision.members.index(decision.holder))
+        d["recoveries"].append({"size": group.size, "members": list(group.ranks),
+                                "values": dict(decision.values), "step": self.step})
+        if self.scale_lr and self.optimizer is not None and old_size != group.size:
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"] *= group.size / old_size
+
+    def _restore_own(self, step: int) -> None:
+        commits = [c for c in self._commits if c.step == step]
+        if not commits:
+            have = [c.step for c in self._commits]
+            raise CommError(f"commlib.elastic: the survivors agreed on step {step}, but this "
+                            f"rank keeps only the commits of steps {have} (raise State.keep)")
+        snap = commits[-1]
+        d = self.__dict__
+        if snap.full:
+            with torch.no_grad():
+                self.model.load_state_dict(snap.model)
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+            d["_algorithm_state"] = snap.algorithm
+        elif not (self._clean and self._optimizer_steps == self._steps_at_commit):
+            raise CommError(f"commlib.elastic: this rank's state moved past step {step} and "
+                            f"no copy was kept")
+        d["step"] = step
+        d["values"] = copy.deepcopy(snap.values)
+        d["_commits"] = [c for c in self._commits if c.step <= step]
+        d["_steps_at_commit"] = self._optimizer_steps
+        d["_clean"] = True
+
+    def _receive(self, group: Any, root: int) -> None:
+        """Collective over ``group``: everyone takes the state of member ``root``."""
+        d = self.__dict__
+        if group.rank == root:
+            buffer = io.BytesIO()
+            torch.save({"step": self.step, "values": self.values,
+                        "target_size": self.target_size,
+                        "model": self.model.state_dict(),
+                        "optimizer": (self.optimizer.state_dict()
+                                      if self.optimizer is not None else None),
+                        "algorithm": getattr(self, "_algorithm_state", None)}, buffer)
+            data = np.frombuffer(buffer.getbuffer(), dtype=np.uint8).copy()
+        else:
+            d["_clean"] = False  # until the state arrived
+            data = None
+        size = np.array([0 if data is None else data.size], dtype=np.int64)
+        broadcast(size, root, group)
+        if data is None:
+            data = np.empty(int(size[0]), dtype=np.uint8)
+        broadcast(data, root, group)
+        if group.rank == root:
+            return
+        saved = torch.load(io.BytesIO(data.tobytes()), weights_only=False)
+        with torch.no_grad():
+            self.model.load_state_dict(saved["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(saved["optimizer"])
+        d["step"], d["values"] = saved["step"], saved["values"]
+        d["target_size"] = saved["target_size"]
+        d["_algorithm_state"] = saved["algorithm"]
+        self._record(full=self.policy != REPLICATED or self.commit_every > 1)
+
+    def drop_gradients(self) -> None:
+        """Forget every gradient (they may view the failed wrapper's buffers, which MPI may
+        still write)."""
+        if self.model is not None:
+            for p in self.model.parameters():
+                p.grad = None
+
+
+def _commit_after_average(state: State, wrapper: Any) -> None:
+    """``local_sgd``: take the commit right after each average (in ``after_iteration``)."""
+    algorithm = wrapper.algorithm
+    original = type(algorithm).after_iteration
+
+    def after_iteration(ctx: Any) -> None:
+        original(algorithm, ctx)
+        if ctx.step % algorithm.sync_every == 0:
+            pending = state.__dict__.get("_pending_values")
+            values = pending[1] if pending is not None and pending[0] == ctx.step else None
+            state._record(full=True, step=ctx.step, values=values)
+
+    algorithm.after_iteration = after_iteration
+
+
+def _refuse_sharded(optimizer: Any) -> None:
+    name = type(optimizer).__name__
+    if name in ("ZeroRedundancyOptimizer",):
+        raise CommError("commlib.elastic.State: ZeRO optimizers are not supported: the "
+                        "optimizer shard of a dead rank is lost (no replica is kept)")

@@ -1,0 +1,605 @@
+"""Fault-tolerant communicators: a dead peer becomes :class:`~commlib.errors.PeerFailure`
+on every survivor, never a hang (``COMMLIB_FAULT_TOLERANT=1`` or
+``commlib.init(fault_tolerant=True)``).
+
+The MPICH wheel has no working ULFM (``MPIX_Comm_revoke``/``shrink``/``agree`` abort in
+ch4), and no MPI operation ever completes with an error once a peer is dead: a blocking
+``MPI_Allreduce`` waits forever. What works (``shared/notes/surviving-a-dead-rank.md``):
+
+* **Failure detection.** ``MPIX_Comm_get_failed`` (through ctypes) reads the launcher's list
+  of dead processes: hydra's ``PMI_dead_processes`` when ``mpiexec`` runs with
+  ``-disable-auto-cleanup``, or the store-backed world of :mod:`commlib.launch`, which
+  answers the same PMI key. A daemon thread (:class:`Watcher`) polls it every
+  :data:`POLL_S` seconds (one PMI round trip, 0.2-0.5 ms); other detectors can be added to
+  :data:`SOURCES`.
+* **Every wait interruptible.** Every operation of a fault-tolerant communicator
+  (:class:`FTComm`, an ``mpi4py`` ``Intracomm`` subclass, so every primitive and algorithm
+  uses it unchanged) is nonblocking: the blocking calls (``Allreduce``, ``Bcast``,
+  ``Recv``...) start their ``I`` counterpart, and every request is an :class:`FTRequest`
+  whose ``Wait`` hands the request to a waiter thread blocked in ``MPI_Wait`` (the fastest
+  way MPICH has to drive a collective, see :class:`_Waiter`) and waits on an event that
+  the waiter sets when the request completes, or the watcher when a peer dies; then the
+  waiter stays inside ``MPI_Wait`` for good (one spinning thread per wait given up on).
+* **Failure domain: the whole job.** A communicator is *failed* once any process of the job
+  died that was not known dead when the communicator was made; its pending and later
+  operations raise :class:`PeerFailure` (on every survivor, whatever group it waits on, so
+  no survivor is left waiting for another that went into recovery), and
+  :func:`commlib.primitives.ft.shrink` builds the survivors' communicator (with
+  :mod:`commlib.agreement`).
+* **Nothing new towards the dead.** No operation starts on a failed communicator: with
+  libfabric's ``tcp`` provider (``MPIR_CVAR_CH4_NETMOD=ofi``) a send that reaches a dead
+  peer reconnects with a blocking ``connect()`` that never returns, and the survivor's whole
+  progress engine hangs there (seen in 3 of 5 runs of an ``MPI_Ibarrier`` over a dead rank,
+  with one proxy per rank and on the emulated cluster alike). An abandoned operation whose
+  schedule later sends to the dead rank can do the same, so fault-tolerant mode needs UCX
+  (the wheel's default netmod), which returns.
+* **Abandoned operations.** A request given up on is kept, with its buffers and its
+  communicator, for the rest of the process (:data:`ABANDONED`): MPI may still read or write
+  them (mpi4py 4.1.2 does not hold the buffers of ``Iallreduce``, ``Ireduce``,
+  ``Ireduce_scatter`` and ``Iallgatherv``; freeing them corrupted the survivors' next
+  allreduce in 7 of 7 probe runs). Callers must not reuse the memory of a collective that
+  raised :class:`PeerFailure` either (:mod:`commlib.elastic` rebuilds its buffers).
+* **Communicator creation** (``Split``, ``Split_type``, ``Create_group``) has no
+  nonblocking form: it runs on a helper thread while the caller waits with failure
+  detection; on a failure the thread is left inside MPI (it spins there for the rest of the
+  process). ``Dup`` is ``MPI_Comm_idup``.
+
+Survivors never call ``MPI_Finalize`` (it hangs once a peer is dead): in this mode the exit
+path of :mod:`commlib.exits` leaves through ``os._exit`` after flushing.
+"""
+from __future__ import annotations
+
+import ctypes
+import pickle
+import queue
+import threading
+import time
+from functools import reduce as _fold
+from typing import Any, Callable, Iterable
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import PeerFailure
+
+#: Seconds between two reads of the launcher's list of dead processes.
+POLL_S = 0.02
+#: Extra failure detectors: callables returning world ranks known dead (e.g. a store-backed
+#: world's monitor); read by the watcher on every poll.
+SOURCES: list[Callable[[], Iterable[int]]] = []
+#: Requests given up on, with their buffers and communicators: kept for good (see above).
+ABANDONED: list[Any] = []
+
+
+# -- detection -----------------------------------------------------------------------------
+
+class _Mpix:
+    """``MPIX_Comm_get_failed(MPI_COMM_WORLD)`` through ctypes, as world ranks."""
+
+    def __init__(self) -> None:
+        self.fn = None
+        try:
+            lib = ctypes.CDLL(MPI.__file__)  # resolves through libmpi, which it links
+            fn = lib.MPIX_Comm_get_failed
+        except (OSError, AttributeError):
+            return
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
+        fn.restype = ctypes.c_int
+        self.fn = fn
+        self.world = MPI.COMM_WORLD.Get_group()
+
+    def __call__(self) -> list[int]:
+        if self.fn is None or MPI.Is_finalized():
+            return []
+        handle = ctypes.c_uint(0)
+        if self.fn(MPI._handleof(MPI.COMM_WORLD), ctypes.byref(handle)) != 0:
+            return []
+        group = MPI.Group.fromhandle(handle.value)
+        try:
+            n = group.Get_size()
+            return list(MPI.Group.Translate_ranks(group, list(range(n)), self.world)) if n else []
+        finally:
+            group.Free()
+
+
+class Watcher:
+    """The daemon thread that reads the dead processes and interrupts waits on failed
+    communicators. One per process (:func:`watcher`)."""
+
+    def __init__(self) -> None:
+        self.dead: frozenset[int] = frozenset()
+        self.lock = threading.Lock()
+        self.waiting: dict[int, tuple[Any, "FTComm"]] = {}  # wait id -> (box, comm)
+        self.listeners: list[Callable[[frozenset], None]] = []
+        self.mpix = _Mpix()
+        self.available = self.mpix.fn is not None
+        self.polls = 0
+        self.changed = threading.Condition(self.lock)
+        # The "world ranks" the dead are counted in: MPI_COMM_WORLD's, until a grown world
+        # (spawned ranks merged in) replaces it (see rebase).
+        self.base = MPI.COMM_WORLD.Get_group()
+        self.det_map: dict[int, int] | None = None  # detector rank -> base rank (None: same)
+        self.epoch = 0
+        self.raw_dead: set[int] = set()  # as the detectors report them
+        self._thread = threading.Thread(target=self._run, name="commlib-ft", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the watch must go on
+                pass
+            time.sleep(POLL_S)
+
+    def poll(self) -> frozenset[int]:
+        """Read every detector now; interrupt the waits that a new death concerns."""
+        found = set(self.mpix())
+        for source in list(SOURCES):
+            try:
+                found.update(int(r) for r in source())
+            except Exception:  # noqa: BLE001
+                pass
+        self.raw_dead |= found
+        found = self.to_base(found)
+        self.polls += 1
+        if found <= self.dead:
+            return self.dead
+
+        with self.lock:
+            self.dead = dead = self.dead | frozenset(found)
+            for key, (box, comm) in list(self.waiting.items()):
+                if dead - comm.known_dead:
+                    del self.waiting[key]
+                    box.event.set()
+            self.changed.notify_all()
+        for listener in list(self.listeners):
+            try:
+                listener(dead)
+            except Exception:  # noqa: BLE001
+                pass
+        return dead
+
+    def to_base(self, ranks: Iterable[int]) -> set[int]:
+        """Ranks of this process's ``MPI_COMM_WORLD`` (what the detectors report) as ranks
+        of the base world; ranks outside it are dropped."""
+        m = self.det_map
+        return set(ranks) if m is None else {m[r] for r in ranks if r in m}
+
+    def rebase(self, comm: Any) -> None:
+        """``comm`` (every member alive) is the world from now on (after a grow): the
+        dead are counted in its ranks. Every communicator made before fails for good (a
+        marker ``-epoch`` joins the dead set; newer communicators know it)."""
+        group = comm.Get_group()
+        mine = MPI.COMM_WORLD.Get_group()
+        n = mine.Get_size()
+        there = MPI.Group.Translate_ranks(mine, list(range(n)), group)
+        mine.Free()
+        with self.lock:
+            self.det_map = {r: t for r, t in enumerate(there) if t != MPI.UNDEFINED}
+            self.base = group
+            self.epoch += 1
+            self.dead = frozenset(r for r in self.dead if r < 0) | {-self.epoch}
+            for key, (box, _) in list(self.waiting.items()):
+                del self.waiting[key]
+                box.event.set()
+            self.changed.notify_all()
+
+    def wait_change(self, known: frozenset, timeout: float) -> frozenset:
+        """Block up to ``timeout`` s until the dead set is not ``known`` any more."""
+        with self.lock:
+            if self.dead == known:
+                self.changed.wait(timeout)
+            return self.dead
+
+
+class StoreDetector:
+    """Failure detection in a store-backed world (:mod:`commlib.launch`: torchrun-style
+    environments, no ``mpiexec``): every rank publishes its host and process id in the
+    job's store; a peer on this host is dead once its process is gone or a zombie (checked
+    on every watcher poll), a peer on another host once its heartbeat (a counter it
+    increments from the launch monitor, every :data:`commlib.launch.world.POLL_S` s) has
+    not moved for :data:`STALE_S` s. Dead ranks are also added to the world's ``dead``,
+    which its PMI server answers to ``MPIX_Comm_get_failed``."""
+
+    #: Seconds without a heartbeat after which a peer on another host counts as dead.
+    STALE_S = 3.0
+
+    def __init__(self, world: Any) -> None:
+        import os
+        import socket
+        self.world = world
+        self.rank, self.size = world.rank, world.size
+        self.host = socket.gethostname()
+        self.peers: dict[int, tuple[str, int]] = {}
+        self.beats: dict[int, tuple[int, float]] = {}
+        self.dead: set[int] = set()
+        world.call("set", world.key(f"ft/pid/{self.rank}"), f"{self.host} {os.getpid()}")
+        world.on_poll(self._beat)
+
+    def _beat(self, world: Any) -> None:
+        """Launch monitor thread: my heartbeat, and the others' heartbeats read."""
+        world.call("add", world.key(f"ft/beat/{self.rank}"), 1)
+        now = time.monotonic()
+        for r in range(self.size):
+            if r == self.rank or r in self.dead:
+                continue
+            beat = int(world.call("add", world.key(f"ft/beat/{r}"), 0))
+            seen = self.beats.get(r)
+            if seen is None or seen[0] != beat:
+                self.beats[r] = (beat, now)
+            elif now - seen[1] > self.STALE_S:
+                self.dead.add(r)
+
+    def __call__(self) -> list[int]:
+        for r in range(self.size):
+            if r == self.rank or r in self.dead:
+                continue
+            peer = self.peers.get(r)
+            if peer is None:
+                key = self.world.key(f"ft/pid/{r}")
+                if not self.world.call("check", [key]):
+                    continue
+                host, pid = _text(self.world.call("get", key)).split()
+                peer = self.peers[r] = (host, int(pid))
+            if peer[0] == self.host and not _alive(peer[1]):
+                self.dead.add(r)
+        if not self.dead <= self.world.dead:
+            self.world.dead.update(self.dead)
+        return list(self.dead)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+_watcher: Watcher | None = None
+_watcher_lock = threading.Lock()
+
+
+def watcher() -> Watcher:
+    """The process's :class:`Watcher`, started on first use (with a
+    :class:`StoreDetector` in a store-backed world)."""
+    global _watcher
+    if _watcher is None:
+        with _watcher_lock:
+            if _watcher is None:
+                from . import launch
+                world = launch.current()
+                if world is not None:
+                    SOURCES.append(StoreDetector(world))
+                _watcher = Watcher()
+    return _watcher
+
+
+def dead_in_world() -> frozenset[int]:
+    """Ranks of this process's ``MPI_COMM_WORLD`` known dead (whatever the base world)."""
+    return frozenset(watcher().raw_dead)
+
+
+def dead() -> frozenset[int]:
+    """World ranks known dead so far (monotone)."""
+    return watcher().dead
+
+
+def available() -> bool:
+    """Whether ``MPIX_Comm_get_failed`` can be called (otherwise only :data:`SOURCES`
+    detect failures)."""
+    return watcher().available
+
+
+# -- requests ------------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+class _Box:
+    """One wait handed to a :class:`_Waiter`: set when the request completed (``done``)
+    or when the watcher gives up on it (a peer died)."""
+    __slots__ = ("event", "done")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.done = False
+
+
+class _Waiter:
+    """A thread that blocks in ``MPI_Wait`` for the thread that owns it. MPICH's
+    ``MPI_Wait`` on one request progresses a large collective 2-3x faster than
+    ``MPI_Waitany`` over it and a second request, or than any loop of ``MPI_Test``, even in
+    C (16 MiB and 1 MiB ``MPI_Iallreduce`` at 4 ranks: 62 ms against 110-120 ms and 28
+    against 106-108 ms), so the owner waits on an :class:`threading.Event` that either
+    this thread or the watcher sets. A waiter whose request was given up on stays inside
+    ``MPI_Wait`` for good (its request can never complete); its owner gets a new one."""
+
+    def __init__(self) -> None:
+        self.jobs: Any = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="commlib-ft-wait", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            req, status, box = self.jobs.get()
+            req.Wait(status)
+            box.done = True
+            box.event.set()
+
+
+def _waiter() -> _Waiter:
+    w = getattr(_local, "waiter", None)
+    if w is None:
+        w = _local.waiter = _Waiter()
+    return w
+
+
+class FTRequest:
+    """A request of a fault-tolerant communicator: ``Wait``/``Test`` raise
+    :class:`PeerFailure` (and give the request up, see :data:`ABANDONED`) once the
+    communicator has failed."""
+
+    __slots__ = ("req", "comm", "keep", "op")
+
+    def __init__(self, req: Any, comm: "FTComm", keep: Any, op: str) -> None:
+        self.req, self.comm, self.keep, self.op = req, comm, keep, op
+
+    def Wait(self, status: Any = None) -> bool:
+        if self.req == MPI.REQUEST_NULL:
+            return True
+        comm = self.comm
+        w = comm.watcher
+        if w.dead - comm.known_dead:
+            self._give_up()
+        if self.req.Test(status):
+            self.keep = None
+            return True
+        box = _Box()
+        key = id(box)
+        with w.lock:
+            w.waiting[key] = (box, comm)
+            if w.dead - comm.known_dead:
+                del w.waiting[key]
+                self._give_up()
+        waiter = _waiter()
+        waiter.jobs.put((self.req, status, box))
+        box.event.wait()
+        with w.lock:
+            w.waiting.pop(key, None)
+        if box.done:
+            self.keep = None
+            return True
+        _local.waiter = None  # that one stays in MPI_Wait
+        ABANDONED.append(waiter)
+        self._give_up()
+        return False
+
+    def Test(self, status: Any = None) -> bool:
+        if self.req.Test(status):
+            self.keep = None
+            return True
+        if self.comm.watcher.dead - self.comm.known_dead:
+            self._give_up()
+        return False
+
+    def Cancel(self) -> None:
+        self.req.Cancel()
+
+    def _give_up(self) -> None:
+        ABANDONED.append((self.req, self.keep, self.comm))
+        raise self.comm.failure(self.op)
+
+
+# -- communicators -------------------------------------------------------------------------
+
+def _nonblocking(name: str) -> Callable:
+    start = getattr(MPI.Intracomm, name)
+
+    def method(self: "FTComm", *args: Any, **kwargs: Any) -> FTRequest:
+        if self.watcher.dead - self.known_dead:  # never start anything towards the dead
+            raise self.failure(name)
+        return FTRequest(start(self, *args, **kwargs), self, (args, kwargs), name)
+
+    method.__name__ = name
+    return method
+
+
+def _blocking(name: str, inonblocking: str) -> Callable:
+    start = getattr(MPI.Intracomm, inonblocking)
+
+    def method(self: "FTComm", *args: Any, **kwargs: Any) -> None:
+        if self.watcher.dead - self.known_dead:
+            raise self.failure(name)
+        FTRequest(start(self, *args, **kwargs), self, (args, kwargs), name).Wait()
+
+    method.__name__ = name
+    return method
+
+
+_NONBLOCKING = ("Iallreduce", "Ibcast", "Ibarrier", "Iallgather", "Iallgatherv", "Ireduce",
+                "Ireduce_scatter", "Ireduce_scatter_block", "Igather", "Igatherv",
+                "Iscatter", "Iscatterv", "Ialltoall", "Ialltoallv", "Isend", "Irecv",
+                "Issend")
+_BLOCKING = ("Allreduce", "Bcast", "Barrier", "Allgather", "Allgatherv", "Reduce",
+             "Reduce_scatter", "Reduce_scatter_block", "Gather", "Gatherv", "Scatter",
+             "Scatterv", "Alltoall", "Alltoallv", "Send", "Ssend")
+
+
+class FTComm(MPI.Intracomm):
+    """An intracommunicator whose every operation is nonblocking and interrupted by a peer's
+    death (see the module docstring). ``known_dead``: world ranks already dead when it was
+    made; the communicator has failed once any other rank of the job is dead."""
+
+    known_dead: frozenset = frozenset()
+    watcher: Watcher
+
+    def ft_init(self, known_dead: Iterable[int] | None = None, name: str = "") -> "FTComm":
+        self.watcher = w = watcher()
+        self.known_dead = w.dead if known_dead is None else frozenset(known_dead)
+        self.name = name
+        group = self.Get_group()
+        try:
+            self.world_ranks = tuple(MPI.Group.Translate_ranks(
+                group, list(range(group.Get_size())), w.base))
+        finally:
+            group.Free()
+        self._creations = 0
+        return self
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        return bool(self.watcher.dead - self.known_dead)
+
+    def new_dead(self) -> list[int]:
+        return sorted(self.watcher.dead - self.known_dead)
+
+    def failure(self, op: str) -> PeerFailure:
+        gone = self.new_dead()
+        members = [r for r in gone if r in self.world_ranks]
+        me = MPI.COMM_WORLD.Get_rank()
+        what = (f"world rank(s) {members} of this communicator" if members else
+                f"world rank(s) {gone} of the job (outside this communicator)")
+        return PeerFailure(
+            f"commlib (rank {me}): {what} failed while this rank waited in MPI {op} on "
+            f"the fault-tolerant communicator {self.name or '?'} (world ranks "
+            f"{list(self.world_ranks)}); every survivor gets this error: shrink the group "
+            f"(group.shrink()) or let commlib.elastic.run do it",
+            failed=gone, world_ranks=self.world_ranks)
+
+    def check(self, op: str) -> None:
+        """Raise :class:`PeerFailure` if the communicator has failed."""
+        if self.watcher.dead - self.known_dead:
+            raise self.failure(op)
+
+    # -- communicator creation ----------------------------------------------------------
+    def Dup(self, info: Any = None) -> "FTComm":
+        self.check("Comm_idup")
+        new, req = (MPI.Intracomm.Idup(self) if info is None
+                    else MPI.Intracomm.Idup(self, info))
+        FTRequest(req, self, new, "Comm_idup").Wait()
+        return adopt(new, self.known_dead, self.name)
+
+    def Split(self, color: int = 0, key: int = 0) -> Any:
+        pairs = self.allgather((int(color), int(key)))
+        self._creations += 1
+        if color == MPI.UNDEFINED:
+            return MPI.COMM_NULL
+        members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
+        group = self.Get_group().Incl([r for _, r in members])
+        try:
+            return self.Create_group(group, tag=self._creations)
+        finally:
+            group.Free()
+
+    def Split_type(self, split_type: int, key: int = 0, info: Any = None) -> Any:
+        args = (split_type, key) if info is None else (split_type, key, info)
+        new = in_thread(self, "Comm_split_type", MPI.Intracomm.Split_type, self, *args)
+        return new if new == MPI.COMM_NULL else adopt(new, self.known_dead, self.name)
+
+    def Create_group(self, group: Any, tag: int = 0) -> "FTComm":
+        new = in_thread(self, "Comm_create_group", MPI.Intracomm.Create_group, self, group,
+                        tag)
+        return adopt(new, self.known_dead, self.name)
+
+    def Free(self) -> None:
+        if self.failed:  # pending operations may still use it: keep it
+            ABANDONED.append(self)
+            return
+        MPI.Intracomm.Free(self)
+
+    # -- blocking operations with a status argument ---------------------------------------
+    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
+             status: Any = None) -> None:
+        self.check("Recv")
+        FTRequest(MPI.Intracomm.Irecv(self, buf, source, tag), self, buf, "Recv").Wait(status)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
+                 status: Any = None) -> None:
+        # Not MPI_Isendrecv: MPICH 5.0.2 leaves its status' count at 0.
+        self.check("Sendrecv")
+        recv = MPI.Intracomm.Irecv(self, recvbuf, source, recvtag)
+        send = MPI.Intracomm.Isend(self, sendbuf, dest, sendtag)
+        FTRequest(send, self, sendbuf, "Sendrecv").Wait()
+        FTRequest(recv, self, recvbuf, "Sendrecv").Wait(status)
+
+    # -- collectives of Python objects (used for metadata) --------------------------------
+    def allgather(self, obj: Any) -> list[Any]:
+        data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        sizes = np.zeros(self.Get_size(), dtype=np.int64)
+        self.Allgather(np.array([data.size], dtype=np.int64), sizes)
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.Allgatherv(data, [out, (sizes.tolist(), displs.tolist()), MPI.BYTE])
+        return [pickle.loads(out[d:d + s].tobytes()) for d, s in zip(displs, sizes)]
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        values = self.allgather(obj)
+        return values if self.Get_rank() == root else None
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL) if self.Get_rank() == root else b""
+        size = np.array([len(data)], dtype=np.int64)
+        self.Bcast(size, root)
+        buf = (np.frombuffer(data, dtype=np.uint8).copy() if self.Get_rank() == root
+               else np.empty(int(size[0]), dtype=np.uint8))
+        self.Bcast(buf, root)
+        return pickle.loads(buf.tobytes())
+
+    def allreduce(self, obj: Any, op: Any = MPI.SUM) -> Any:
+        return _fold(op, self.allgather(obj))
+
+    def barrier(self) -> None:
+        self.Barrier()
+
+
+for _name in _NONBLOCKING:
+    setattr(FTComm, _name, _nonblocking(_name))
+for _name in _BLOCKING:
+    setattr(FTComm, _name, _blocking(_name, "I" + _name.lower()))
+
+
+def adopt(comm: Any, known_dead: Iterable[int] | None = None, name: str = "") -> FTComm:
+    """``comm`` (an ``mpi4py`` intracommunicator, not freed: the same MPI handle) as an
+    :class:`FTComm`; ``known_dead``: ranks dead before it was made (default: those known
+    now)."""
+    if isinstance(comm, FTComm):  # mpi4py makes the results of Dup etc. of our type
+        return comm if "watcher" in comm.__dict__ else comm.ft_init(known_dead, name)
+    return FTComm(comm).ft_init(known_dead, name)
+
+
+def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
+    """Run the blocking MPI call ``fn(*args)`` on a helper thread and wait for it with
+    failure detection: ``comm`` (an :class:`FTComm`, or any object with ``failed`` and
+    ``failure(op)``) says when to give up; then raise its :class:`PeerFailure` and leave the
+    thread inside MPI (see the module docstring)."""
+    if comm.failed:
+        raise comm.failure(op)
+    done = threading.Event()
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out.append((False, exc))
+        done.set()
+
+    thread = threading.Thread(target=run, name=f"commlib-ft-{op}", daemon=True)
+    thread.start()
+    while not done.wait(POLL_S):
+        if comm.failed:
+            ABANDONED.append((thread, args))
+            raise comm.failure(op)
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value

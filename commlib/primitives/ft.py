@@ -1,0 +1,188 @@
+"""Shrinking and growing fault-tolerant groups (``COMMLIB_FAULT_TOLERANT=1``).
+
+:func:`shrink` is what a survivor calls after :class:`~commlib.errors.PeerFailure`: the
+survivors agree (:mod:`commlib.agreement`) on who is left and on a value each brings (the
+step it committed), then build their communicator with ``MPI_Comm_create_group`` over a
+control communicator (only survivors take part; on a helper thread, abandoned if another
+rank dies meanwhile, and the agreement runs again). :func:`grow` adds spawned ranks.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from mpi4py import MPI
+
+from .. import exits, fault_tolerance, runtime
+from ..agreement import Agreement, Decision
+from ..communicator import Communicator
+from ..errors import CommError, PeerFailure, where
+from ..options import options
+
+#: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
+CREATE_TAG_BASE = 1000
+#: Tries of ``MPI_Comm_spawn`` in :func:`grow` before it raises.
+SPAWN_ATTEMPTS = 3
+
+_ctl: Any = None
+_agreement: Agreement | None = None
+_lock = threading.Lock()
+
+
+def _start() -> None:
+    """At :func:`commlib.init` in fault-tolerant mode (collective over the world, every
+    rank alive): the control communicator and the failure watcher. A process spawned by
+    :func:`grow` joins its parents' world here."""
+    global _ctl, _agreement, joined
+    if not options.fault_tolerant or _ctl is not None:
+        return
+    if runtime._world_source is not None and runtime._world_source != MPI.COMM_WORLD:
+        raise CommError(f"{where('init', MPI.COMM_WORLD.Get_rank())}: fault-tolerant mode "
+                        f"needs commlib's world to be MPI_COMM_WORLD")
+    fault_tolerance.watcher()
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:  # a replacement: the survivors wait in grow()
+        joined = True
+        merged = parent.Merge(high=True)
+        _adopt_world(merged, runtime._world)
+        return
+    _ctl = MPI.COMM_WORLD.Dup()
+    _agreement = Agreement(_ctl)
+
+
+#: Whether this process was spawned by :func:`grow` (it joined a running job).
+joined = False
+
+
+runtime.on_init(_start)
+
+
+def agreement() -> Agreement:
+    """The process's agreement (fault-tolerant mode only)."""
+    if _agreement is None:
+        if not options.fault_tolerant:
+            raise CommError(f"{where('shrink', MPI.COMM_WORLD.Get_rank())}: groups can only "
+                            f"shrink in fault-tolerant mode (COMMLIB_FAULT_TOLERANT=1 or "
+                            f"commlib.init(fault_tolerant=True))")
+        runtime.world()
+        _start()
+    return _agreement
+
+
+def _dead_or_left() -> frozenset[int]:
+    w = fault_tolerance.watcher()
+    return w.dead | frozenset(w.to_base(exits.left_ranks()))
+
+
+class _Pending:
+    """``failed``/``failure`` of a communicator being built by the survivors of
+    ``decision``, who knew ``known_dead`` dead (for :func:`fault_tolerance.in_thread`)."""
+
+    def __init__(self, decision: Decision, known_dead: frozenset) -> None:
+        self.decision = decision
+        self.known_dead = known_dead
+        self.watcher = fault_tolerance.watcher()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.watcher.dead - self.known_dead)
+
+    def failure(self, op: str) -> PeerFailure:
+        gone = sorted(self.watcher.dead - self.known_dead)
+        return PeerFailure(f"commlib.shrink (rank {MPI.COMM_WORLD.Get_rank()}): rank(s) "
+                           f"{gone} failed while the survivors built their communicator",
+                           failed=gone, world_ranks=self.decision.members)
+
+
+def shrink(comm: Communicator, value: Any = 0,
+           timeout: float | None = None) -> tuple[Communicator, Decision]:
+    """Collective over the survivors of the communicator ``comm``: the communicator of the
+    members still alive, in the same order, and the :class:`Decision` (see
+    :func:`commlib.primitives.group.shrink`, which makes a group of it)."""
+    ag = agreement()
+    universe = tuple(comm.world_ranks)
+    limit = float(options.timeout if timeout is None else timeout)
+    with _lock:
+        while True:
+            decision = ag.decide(universe, value, _dead_or_left, limit)
+            # Dead before, or outside the group (they do not concern its members), or agreed.
+            outside = frozenset(fault_tolerance.dead()) - frozenset(universe)
+            known = frozenset(getattr(comm.mpi, "known_dead", ())) | outside | decision.dead
+            index = {w: i for i, w in enumerate(_ctl_ranks())}
+            members = _ctl.Get_group().Incl([index[r] for r in decision.members])
+            tag = CREATE_TAG_BASE + len(decision.dead) * 64 + decision.generation % 64
+            try:
+                mpi = fault_tolerance.in_thread(_Pending(decision, known), "Comm_create_group",
+                                                MPI.Intracomm.Create_group, _ctl, members,
+                                                tag)
+            except PeerFailure:
+                continue  # another rank died meanwhile: agree again without it
+            finally:
+                members.Free()
+            break
+    name = f"{comm.name}/shrunk{len(decision.dead)}"
+    new = Communicator(fault_tolerance.adopt(mpi, known, name), comm.watchdog, name,
+                       decision.members)
+    if comm is runtime._world:
+        runtime._world = new
+    return new, decision
+
+
+def grow(comm: Communicator, n: int, command: str | None = None,
+         args: list[str] | None = None, info: dict | None = None) -> Communicator:
+    """Collective over ``comm`` (the world, every member alive): spawn ``n`` processes
+    running ``command args`` (default: this Python and ``sys.argv``: the same script)
+    with ``MPI_Comm_spawn`` (``info``: its ``MPI_Info`` keys, e.g. ``{"host": ...}``) and
+    merge them in after the members; the merged communicator is the world from then on
+    (ranks ``0..size-1``: the members in order, then the newcomers). The newcomers join in
+    their ``commlib.init()``. A failure meanwhile raises :class:`PeerFailure`."""
+    import sys
+    import time
+    if comm is not runtime._world:
+        raise CommError(f"{where('grow', comm.rank)}: only the world grows (shrink it first)")
+    mpi_info = MPI.Info.Create()
+    for key, value in (info or {}).items():
+        mpi_info.Set(str(key), str(value))
+    try:
+        for attempt in range(SPAWN_ATTEMPTS):
+            try:
+                inter = fault_tolerance.in_thread(
+                    comm.mpi, "Comm_spawn", MPI.Intracomm.Spawn, comm.mpi,
+                    command or sys.executable, list(sys.argv if args is None else args),
+                    int(n), mpi_info, 0)
+                break
+            except MPI.Exception as exc:
+                # hydra refuses a spawn now and then right after a death ("Error in spawn
+                # call", 2 of 8 benchmark runs); MPICH tells every member (the root's
+                # result is broadcast), so all retry alike.
+                if attempt == SPAWN_ATTEMPTS - 1:
+                    raise CommError(f"{where('grow', comm.rank)}: MPI_Comm_spawn of {n} "
+                                    f"rank(s) failed {SPAWN_ATTEMPTS} times: "
+                                    f"{exc.Get_error_string()}") from exc
+                print(f"commlib.grow (rank {comm.rank}): MPI_Comm_spawn failed, retrying: "
+                      f"{exc.Get_error_string()}", file=sys.stderr, flush=True)
+                time.sleep(0.2 * (attempt + 1))
+    finally:
+        mpi_info.Free()
+    merged = fault_tolerance.in_thread(comm.mpi, "Intercomm_merge", MPI.Intercomm.Merge,
+                                       inter, False)
+    return _adopt_world(merged, comm)
+
+
+def _adopt_world(merged: Any, old: Communicator) -> Communicator:
+    """``merged`` (survivors and newcomers, all alive) becomes the world: failure
+    detection counts in its ranks, a new control communicator, commlib's world."""
+    global _ctl, _agreement
+    fault_tolerance.watcher().rebase(merged)
+    _ctl = merged.Dup()
+    _agreement = Agreement(_ctl)
+    size = merged.Get_size()
+    name = f"world/grown{size}"
+    new = Communicator(fault_tolerance.adopt(merged, None, name), old.watchdog, name,
+                       tuple(range(size)))
+    runtime._world = new
+    return new
+
+
+def _ctl_ranks() -> list[int]:
+    return list(range(_ctl.Get_size()))

@@ -1,0 +1,280 @@
+"""Launching fault-tolerant jobs for the elastic tests (one hydra proxy per rank, or per
+emulated node with ``benchmarks/netsim.py``), and checking what they leave behind."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from helpers import clean_env, mpiexec
+
+#: The variable that marks every process of a job (:func:`tag_job`).
+JOB_TAG = "ELASTIC_TEST_JOB"
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def per_rank_hosts(n: int, keep_running: bool = True) -> list[str]:
+    """``mpiexec`` options giving each of ``n`` ranks a hydra proxy of its own (each its own
+    "node"), so that one rank can die alone, and (``keep_running``:
+    ``-disable-auto-cleanup``) the launcher keeps the others running."""
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(n))
+    return ["-launcher", "fork", "-hosts", hosts, "-ppn", "1"] + \
+        (["-disable-auto-cleanup"] if keep_running else [])
+
+
+def run_job(n: int, argv: list[str], timeout: float, per_rank: bool = True,
+            keep_running: bool = True, **env: str | None) -> tuple[int, float, str, list[int]]:
+    """Run ``mpiexec [per-rank options] -n n python argv...`` in a session of its own with
+    an outer timeout. Returns (status, seconds, output, pids of the session still alive
+    afterwards); a job past ``timeout`` is killed (whole session) and reported as -9.
+    ``keep_running=False`` (jobs without failures, e.g. references): without
+    ``-disable-auto-cleanup``, under which hydra now and then ends a job whose ranks all
+    exited 0 with status 255 (it tells the other proxies of each exit and one had gone:
+    "unable to send SIGUSR1 downstream")."""
+    cmd = [mpiexec()] + (per_rank_hosts(n, keep_running) if per_rank else []) + \
+        ["-n", str(n), sys.executable] + argv
+    env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
+    full = clean_env(**env)
+    tag = tag_job(full)
+    start = time.monotonic()
+    # restore_signals=False: SIGPIPE stays ignored in mpiexec, which otherwise dies of it
+    # now and then at the end of a job with one proxy per rank (a write to a proxy whose
+    # rank had just ended).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=full, start_new_session=True, text=True,
+                            restore_signals=False)
+    return _finish(proc, tag, timeout, start)
+
+
+def _finish(proc: subprocess.Popen, tag: str, timeout: float,
+            start: float) -> tuple[int, float, str, list[int]]:
+    hung = ""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        hung = describe(job_pids(tag))
+        kill_all(job_pids(tag))
+        out, _ = proc.communicate()
+        code = -9
+    out += hung
+    seconds = time.monotonic() - start
+    left = job_pids(tag)
+    kill_all(left)  # never leave anything behind, even when the test fails
+    return code, seconds, out, left
+
+
+def describe(pids: list[int]) -> str:
+    """The command lines of ``pids`` (for the message of a job that hung)."""
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"{pid}: {cmdline[:200]}")
+        except OSError:
+            pass
+    return "\n[still running at the timeout]\n" + "\n".join(lines) if lines else ""
+
+
+def tag_job(env: dict) -> str:
+    """Mark a job's processes: a variable every process of it inherits (hydra's proxies and
+    the ranks each run in a session of their own, so a session does not find them)."""
+    tag = uuid.uuid4().hex
+    env[JOB_TAG] = tag
+    return tag
+
+
+def job_pids(tag: str) -> list[int]:
+    """Processes (zombies excluded) whose environment carries the job tag ``tag``: the
+    launcher, its proxies, the ranks and any rank they spawned."""
+    needle = f"{JOB_TAG}={tag}".encode()
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        pid = int(stat.split("/")[2])
+        try:
+            with open(stat) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def results(outdir: str, prefix: str = "rank") -> dict[int, dict]:
+    """The ``{prefix}{r}.json`` files a job's ranks wrote, by rank."""
+    found = {}
+    for path in glob.glob(os.path.join(outdir, f"{prefix}*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        found[int(os.path.basename(path)[len(prefix):-5])] = data
+    return found
+
+
+def leftover_shm(outdir: str) -> list[str]:
+    """Segments the ranks announced in ``shm{r}.json`` that are still in ``/dev/shm``."""
+    names = set()
+    for data in results(outdir, "shm").values():
+        names.update(data)
+    return sorted(n for n in names if os.path.exists(os.path.join("/dev/shm", n)))
+
+
+def write_shm(outdir: str, rank: int) -> None:
+    """In a job: record the MPICH segments this rank maps (``shm{rank}.json``)."""
+    from helpers import mpich_segments
+    with open(os.path.join(outdir, f"shm{rank}.json"), "w") as f:
+        json.dump(mpich_segments(), f)
+
+
+def run_cluster_job(cluster, argv: list[str], timeout: float,
+                    **env: str | None) -> tuple[int, float, str, list[int]]:
+    """As :func:`run_job`, on a ``netsim`` cluster (one hydra proxy per emulated node,
+    ``-disable-auto-cleanup``: a signal death ends the node, not the job), over UCX on the
+    nodes' ``eth0`` (fault-tolerant mode cannot use libfabric's tcp provider, see
+    :mod:`commlib.fault_tolerance`)."""
+    env.setdefault("MPIR_CVAR_CH4_NETMOD", "ucx")
+    env.setdefault("UCX_NET_DEVICES", "eth0")
+    cmd = cluster.prefix()
+    at = next(i for i, c in enumerate(cmd) if os.path.basename(c) == "mpiexec")
+    cmd = cmd[:at + 1] + ["-disable-auto-cleanup"] + cmd[at + 1:] + [sys.executable] + argv
+    env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
+    full = {k: v for k, v in dict(cluster.env, **env).items() if v is not None}
+    full = {k: v for k, v in full.items()
+            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_"))}
+    tag = tag_job(full)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full,
+                            start_new_session=True, text=True, restore_signals=False)
+    return _finish(proc, tag, timeout, start)
+
+
+def reference_args(found: dict[int, dict]) -> tuple[str, str]:
+    """``--victims`` and ``--reference`` of the run that shrinks where the survivors
+    (results ``found``) did: the ranks that left at each recovery, the agreed steps."""
+    first = next(iter(found.values()))
+    victims, steps = [], []
+    alive = list(range(first["world"]))
+    for rec in first["recoveries"]:
+        for r in sorted((r for r in alive if r not in rec["members"]), reverse=True):
+            victims.append(r)
+            steps.append(rec["step"])
+        alive = rec["members"]
+    return ",".join(map(str, victims)), ",".join(map(str, steps))
+
+
+def run_store_job(n: int, argv: list[str], timeout: float,
+                  **env: str | None) -> tuple[list[int], float, str, list[int]]:
+    """Start ``n`` ranks by hand as a Kubernetes job would (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; rank 0 hosts the store): the store-backed world of
+    :mod:`commlib.launch`. Returns (each rank's status, -9 past ``timeout``; seconds; the
+    output; pids of their sessions left alive)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = str(s.getsockname()[1])
+    base = {k: v for k, v in clean_env().items()
+            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
+            ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+             "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
+    base.update({k: v for k, v in env.items() if v is not None})
+    tag = tag_job(base)
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable] + argv, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=dict(base, RANK=str(r), WORLD_SIZE=str(n),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(n)]
+    codes, outs = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+            codes.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            codes.append(-9 if p.returncode != -9 else -9)
+        outs.append(out)
+    seconds = time.monotonic() - start
+    left = job_pids(tag)
+    kill_all(left)
+    return codes, seconds, "".join(outs), left
+
+
+# -- references of elastic_train_program.py jobs (test_elastic, test_elastic_store) ----------
+
+TRAIN_PROGRAM = os.path.join(HERE, "elastic_train_program.py")
+TRAIN_STEPS = 30
+#: The references the tests need when the survivors agree as expected (algorithm, victims,
+#: agreed steps, scale_lr); the first test that needs one trains them all in one job
+#: (``--scenarios``: a job is mostly startup). Another agreement gets a job of its own.
+PLANNED = [("gradient_allreduce", "3", "12", True), ("gradient_allreduce", "3", "12", False),
+           ("gradient_allreduce", "3", "13", False),
+           ("gradient_allreduce", "3,2", "8,16", False),
+           ("decentralized", "3", "12", False), ("local_sgd", "3", "12", False),
+           ("gradient_allreduce", "3,2", "12,12", False), ("gradient_allreduce", "", "", False)]
+_references: dict[tuple, dict[int, dict]] = {}
+
+
+def params(result: dict):
+    """A result's final parameters (float64)."""
+    import numpy as np
+    return np.frombuffer(bytes.fromhex(result["params"]))
+
+
+def _planned(tmp_path_factory, n: int, timeout: float) -> None:
+    out_dir = tmp_path_factory.mktemp("references")
+    scenarios = [{"name": f"s{i}", "algorithm": a, "victims": v, "steps": s, "scale_lr": lr}
+                 for i, (a, v, s, lr) in enumerate(PLANNED)]
+    status, _, out, left = run_job(n, [TRAIN_PROGRAM, str(out_dir), "--steps",
+                                       str(TRAIN_STEPS), "--scenarios", json.dumps(scenarios)],
+                                   timeout, keep_running=False, COMMLIB_TIMEOUT="60")
+    assert status == 0 and not left, f"references failed ({status})\n{out[-3000:]}"
+    for i, key in enumerate(PLANNED):
+        _references[key + (None,)] = results(str(out_dir / f"s{i}"))
+
+
+def reference(tmp_path_factory, algorithm: str, victims: str, steps: str,
+              scale_lr: bool = False, cluster=None, n: int = 4,
+              timeout: float = 150) -> dict[int, dict]:
+    """The results of the ``n``-rank run without fault tolerance in which ranks ``victims``
+    leave after the committed ``steps`` (``--reference``), one proxy per rank, or on the
+    ``netsim`` ``cluster``; cached for the session."""
+    key = (algorithm, victims, steps, scale_lr,
+           None if cluster is None else (cluster.nodes, cluster.ranks_per_node))
+    if cluster is None and n == 4 and key[:4] in PLANNED and key not in _references:
+        _planned(tmp_path_factory, n, timeout)
+    if key not in _references:
+        out_dir = tmp_path_factory.mktemp("reference")
+        argv = [TRAIN_PROGRAM, str(out_dir), "--steps", str(TRAIN_STEPS), "--victims",
+                victims, "--reference", steps, "--algorithm", algorithm] + \
+            (["--scale-lr"] if scale_lr else [])
+        if cluster is None:
+            status, _, out, left = run_job(n, argv, timeout, keep_running=False,
+                                           COMMLIB_TIMEOUT="60")
+        else:
+            status, _, out, left = run_cluster_job(cluster, argv, timeout,
+                                                   COMMLIB_TIMEOUT="60")
+        assert status == 0 and not left, f"reference {key} failed ({status})\n{out[-3000:]}"
+        _references[key] = results(str(out_dir))
+    return _references[key]

@@ -1,0 +1,254 @@
+"""Elastic training under failures, and its reference; driven by test_elastic.py and
+benchmarks/bench_faults.py.
+
+Usage::
+
+    python elastic_train_program.py OUTDIR [--algorithm A] [--steps N] [--fault F]
+        [--victims R1[,R2]] [--at K1[,K2]] [--skip-agreement] [--reference C1[,C2]]
+        [--width W] [--no-ft] [--scale-lr] [--min-ranks M] [--scenarios JSON]
+
+A float64 MLP trained with SGD with momentum through ``commlib.elastic`` (``State``,
+``run``, ``ElasticSampler``: the global batch of 24 samples of each step is split over the
+ranks alive). Fault ``F`` on victim ``R_i`` at step ``K_i``:
+
+``kill``     SIGKILL in the middle of the step's backward (some gradient buckets on their
+             way, others not yet)
+``exit``     ``os._exit(7)`` at the same point
+``sysexit``  an ordinary ``sys.exit(0)`` between steps
+``lag``      the victim is killed right after its step's exchange; survivor rank 1 then
+             behaves as if its own exchange had failed (raises ``PeerFailure`` before its
+             optimizer step) while the others apply the step: the survivors are one step
+             apart, which only the step agreement can repair (the other faults produce it
+             by chance)
+``none``     no fault
+
+``--reference C1[,C2]``: no fault tolerance, no failure: the same training, with the
+victims leaving voluntarily after the committed steps ``C_i`` and the others going on
+over a group of the remaining ranks (made with ``new_group``), rewrapped as ``run`` does
+(and the learning rate scaled as ``run`` scales it with ``--scale-lr``): the run the
+survivors must match exactly. ``--scenarios JSON``: several such references in one job
+(a list of ``{"name", "algorithm", "victims", "steps", "scale_lr"}``; no victims: the run
+without failure), one after the other from the initial model, each written to
+``OUTDIR/<name>/`` (one job instead of one per reference: most of a job is startup).
+``--scale-lr``, ``--min-ranks M``: ``State(scale_lr=True)``, ``run(min_ranks=M)``.
+
+Every rank writes ``OUTDIR/shm{r}.json`` (its MPICH segments); every rank that finishes
+writes ``OUTDIR/rank{r}.json``: final step, the state's ledger (the group size that applied
+each step), its recoveries (agreed values, seconds), the parameters (float64 bytes, hex) and
+timestamps of the fault (written by the victim as ``fault{r}.json``) and of every step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import commlib
+from commlib import elastic
+from commlib.elastic import state as state_module
+from elastic_common import write_shm
+
+parser = argparse.ArgumentParser()
+parser.add_argument("outdir")
+parser.add_argument("--algorithm", default="gradient_allreduce")
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--fault", default="none")
+parser.add_argument("--victims", default="3")
+parser.add_argument("--at", default="12")
+parser.add_argument("--skip-agreement", action="store_true")
+parser.add_argument("--reference", default="")
+parser.add_argument("--width", type=int, default=32)
+parser.add_argument("--no-ft", action="store_true")
+parser.add_argument("--bucket-mb", type=float, default=0.005)
+parser.add_argument("--replace", action="store_true",
+                    help="spawn a replacement for each dead rank, on its host")
+parser.add_argument("--scale-lr", action="store_true", help="State(scale_lr=True)")
+parser.add_argument("--min-ranks", type=int, default=1, help="run(min_ranks=...)")
+parser.add_argument("--scenarios", default="",
+                    help="JSON list of references to train one after the other")
+args = parser.parse_args()
+
+if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ["ELASTIC_DUMP"]), exit=True)
+torch.set_default_dtype(torch.float64)
+torch.set_num_threads(1)
+reference = [int(c) for c in args.reference.split(",") if c]
+scenarios = json.loads(args.scenarios) if args.scenarios else []
+commlib.init(fault_tolerant=not (reference or scenarios or args.no_ft))
+me = commlib.get_rank()
+n0 = commlib.get_world_size()
+write_shm(args.outdir, me)
+victims = [int(v) for v in args.victims.split(",")]
+at = [int(k) for k in args.at.split(",")]
+plan = dict(zip(victims, at))
+from commlib.primitives import ft as _ft  # noqa: E402
+if _ft.joined:  # a replacement spawned by run(replace=True): it is no victim
+    plan = {}
+state_module._SKIP_AGREEMENT = args.skip_agreement
+
+KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
+          "local_sgd": {"sync_every": 4}}
+BATCH, LENGTH = 24, 24 * 40
+g = torch.Generator().manual_seed(1234)
+X = torch.randn(LENGTH, 16, generator=g)
+Y = torch.randn(LENGTH, 4, generator=g)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    w = args.width
+    return torch.nn.Sequential(torch.nn.Linear(16, w), torch.nn.Tanh(),
+                               torch.nn.Linear(w, w), torch.nn.Tanh(),
+                               torch.nn.Linear(w, 4))
+
+
+class Training:
+    """One training from the initial model: model, optimizer, sampler, elastic state."""
+
+    def __init__(self, algorithm: str, scale_lr: bool) -> None:
+        self.algorithm = algorithm
+        self.model = make_model()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.sampler = elastic.ElasticSampler(LENGTH, BATCH, seed=7)
+        self.state = elastic.State(self.model, self.optimizer, self.sampler, ledger=[],
+                                   scale_lr=scale_lr)
+        self.times: list[tuple[int, float]] = []
+
+    def write(self, outdir: str) -> None:
+        params = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        st = self.state
+        with open(os.path.join(outdir, f"rank{me}.json"), "w") as f:
+            json.dump({"rank": me, "step": st.step, "ledger": st.ledger,
+                       "recoveries": [{k: (v if k != "values" else
+                                           {str(a): b for a, b in v.items()})
+                                       for k, v in r.items()} for r in st.recoveries],
+                       "params": params.numpy().tobytes().hex(), "times": self.times,
+                       "size": st.group.size, "world": n0,
+                       "lr": self.optimizer.param_groups[0]["lr"]}, f)
+
+
+run = Training(args.algorithm, args.scale_lr)
+state = run.state  # the main training's (the fault's record names its step)
+
+
+def record_fault(kind: str) -> None:
+    with open(os.path.join(args.outdir, f"fault{me}.json"), "w") as f:
+        json.dump({"rank": me, "kind": kind, "time": time.time(), "step": state.step}, f)
+
+
+def die(kind: str) -> None:
+    record_fault(kind)
+    if kind in ("kill", "lag"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit":
+        os._exit(7)
+    elif kind == "sysexit":
+        sys.exit(0)
+
+
+def wrap(tr: Training) -> commlib.DistributedDataParallel:
+    return tr.state.wrap(algorithm=tr.algorithm, bucket_cap_mb=args.bucket_mb,
+                         **KWARGS.get(tr.algorithm, {}))
+
+
+def one_step(tr: Training, ddp, faults: bool = True) -> None:
+    st = tr.state
+    step, group = st.step, st.group
+    idx = tr.sampler.indices(step, group.rank, group.size)
+    fault = faults and plan.get(me) == step and args.fault
+    out = ddp(X[idx])
+    if fault in ("kill", "exit"):
+        hidden = out.grad_fn.next_functions[1][0]  # dies mid-backward, buckets in flight
+        hidden.register_hook(lambda *a: die(args.fault))
+    loss = torch.nn.functional.mse_loss(out, Y[idx])
+    loss.backward()
+    if fault == "lag":
+        die("lag")
+    if faults and args.fault == "lag" and me == 1 and step == plan.get(victims[0]) and \
+            not getattr(st, "_lagged", False):
+        st.__dict__["_lagged"] = True
+        while victims[0] not in commlib.fault_tolerance.dead():
+            time.sleep(0.005)
+        raise commlib.PeerFailure("injected: this rank acts as if its exchange failed",
+                                  failed=[victims[0]])
+    tr.optimizer.step()
+    tr.optimizer.zero_grad(set_to_none=True)
+    st.ledger.append([step + 1, group.size])
+    st.commit()
+    tr.times.append((st.step, time.time()))
+
+
+def train(st: elastic.State) -> None:
+    ddp = wrap(run)
+    while st.step < args.steps:
+        if plan.get(me) == st.step and args.fault == "sysexit":
+            die("sysexit")
+        one_step(run, ddp)
+
+
+def train_reference(tr: Training, gone: list[int], at: list[int]) -> bool:
+    """The same steps without faults; ranks ``gone`` leave after the committed steps
+    ``at`` (as run() shrinks, and with the learning rate scaled as run() scales it).
+    Returns whether this rank trained to the end."""
+    st = tr.state
+    st.__dict__["group"] = commlib.world()
+    ddp = wrap(tr)
+    alive = list(range(n0))
+    marks = list(zip(at, gone))
+    while st.step < args.steps:
+        while marks and st.step == marks[0][0]:
+            _, victim = marks.pop(0)
+            if tr.algorithm == "local_sgd":
+                ddp._start_iteration(reset=False)  # the average of the last step, as run()
+            algo = ddp.algorithm.state_dict()
+            old = len(alive)
+            alive.remove(victim)
+            group = commlib.new_group(alive, parent=st.group)
+            if me == victim:
+                tr.state.close_wrapper()
+                return False
+            st.close_wrapper()
+            st.drop_gradients()
+            st.__dict__["group"] = group
+            if tr.algorithm != "gradient_allreduce":
+                st.__dict__["_algorithm_state"] = algo
+            if st.scale_lr:
+                for param_group in tr.optimizer.param_groups:
+                    param_group["lr"] *= len(alive) / old
+            ddp = wrap(tr)
+        one_step(tr, ddp, faults=False)
+    st.close_wrapper()
+    return True
+
+
+def parse(spec: str) -> list[int]:
+    return [int(c) for c in spec.split(",") if c]
+
+
+if scenarios:  # several references in one job, each in OUTDIR/<name>/
+    for sc in scenarios:
+        tr = Training(sc.get("algorithm", args.algorithm), bool(sc.get("scale_lr")))
+        sub = os.path.join(args.outdir, sc["name"])
+        os.makedirs(sub, exist_ok=True)
+        if train_reference(tr, parse(sc.get("victims", "")), parse(sc.get("steps", ""))):
+            tr.write(sub)
+        commlib.barrier()
+    sys.exit(0)
+if reference:
+    finished = train_reference(run, victims, reference)
+    if not finished:  # stays until the end (a rank leaving early upsets hydra's proxies)
+        commlib.barrier()
+        sys.exit(0)
+else:
+    hosts = os.environ.get("ELASTIC_HOSTS", "").split(",")  # a dead rank's host, if known
+    elastic.run(train, state, replace=args.replace, min_ranks=args.min_ranks,
+                spawn_info=lambda dead: {"host": hosts[dead[0]]} if hosts[0] else None)
+run.write(args.outdir)
+if reference:
+    commlib.barrier()

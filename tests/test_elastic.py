@@ -1,0 +1,204 @@
+"""Elastic training survives dead ranks exactly (issue 21 sections 2-4): jobs of
+``elastic_train_program.py`` (float64 MLP, SGD with momentum, ``commlib.elastic``) under
+real failures, each under an outer timeout, compared bit for bit with a reference run.
+
+For each fault the survivors must finish every step; their final parameters must equal
+exactly those of the *reference*: a run without fault tolerance and without failures in
+which the same ranks leave voluntarily after the steps the survivors agreed on, and the
+others go on over a group of the remaining ranks (float64 and the same MPI layout, so the
+check is exact: a difference of one step in where the shrink happens changes hundreds of
+parameters, see ``test_the_check_tells_one_step_apart``). The state's ledger (which group
+size applied each step, carried with the state) must list every step exactly once; nothing
+may hang, no process may be left, no MPICH segment may stay in ``/dev/shm``.
+
+Faults (one hydra proxy per rank, ``-disable-auto-cleanup``, 4 ranks): ``os._exit`` of one
+rank mid-backward (with ``scale_lr``); two successive SIGKILLs; ``lag``: the survivors are
+made one step apart (one applies the step, one does not), so that the rank behind must
+receive the state from one ahead; SIGKILL mid-backward under ``decentralized`` (replicas
+differ; every survivor restores its own copy of the earliest commit) and ``local_sgd``
+(the partial round is discarded); on the emulated two-tier cluster
+(``benchmarks/netsim.py``, one proxy per node): SIGKILL of one rank of 2 nodes x 2 (hydra
+then ends its node: a node failure) and of one rank of 4 x 1; a replacement joins after a
+SIGKILL and the grown job equals the run without failure. ``run(min_ranks=)`` ends the job
+when too few survive. Negative controls: a recovery that skips the step agreement does not
+finish (3 ranks); without fault tolerance the same kill ends the job
+(``test_elastic_ft.py``, the same launch and fault under collectives alone).
+
+Cost: a job is mostly startup (4 processes importing torch and building an optimizer, about
+10 s of CPU), so the references the tests need are trained one after the other in one job
+(``PLANNED``); a survivors' agreement outside it gets a reference job of its own.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from elastic_common import (HERE, ROOT, leftover_shm, params, reference, reference_args,
+                            results, run_cluster_job, run_job)
+from helpers import serial_only
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import netsim  # noqa: E402
+
+PROGRAM = os.path.join(HERE, "elastic_train_program.py")
+N = 4
+STEPS = 30
+OUTER_S = 150
+pytestmark = [serial_only, pytest.mark.timeout(900)]
+def check(tmp_path, tmp_path_factory, survivors: list[int], recoveries: int, status: int,
+          out: str, left: list[int], algorithm: str = "gradient_allreduce",
+          scale_lr: bool = False, cluster=None) -> dict[int, dict]:
+    assert status != -9, f"hang (killed after {OUTER_S} s)\n{out[-3000:]}"
+    assert not left, f"processes {left} of the job were left running"
+    assert not leftover_shm(str(tmp_path)), f"left {leftover_shm(str(tmp_path))} in /dev/shm"
+    found = results(str(tmp_path))
+    assert sorted(found) == survivors, f"ranks {sorted(found)} finished, expected " \
+                                       f"{survivors} (status {status})\n{out[-3000:]}"
+    first = found[survivors[0]]
+    for rank, r in found.items():
+        assert r["step"] == STEPS, f"rank {rank} stopped at step {r['step']}"
+        assert len(r["recoveries"]) == recoveries, (rank, r["recoveries"])
+        assert r["recoveries"] == first["recoveries"] or \
+            [x["values"] for x in r["recoveries"]] == [x["values"] for x in first["recoveries"]]
+        # Every step applied exactly once, by the group the recoveries say.
+        assert [s for s, _ in r["ledger"]] == list(range(1, STEPS + 1)), r["ledger"]
+        sizes, size = [], N
+        marks = {x["step"]: x["size"] for x in r["recoveries"]}
+        for s in range(STEPS):
+            size = marks.get(s, size)
+            sizes.append(size)
+        assert [n for _, n in r["ledger"]] == sizes, (rank, r["ledger"], marks)
+    victims, steps = reference_args(found)
+    ref = reference(tmp_path_factory, algorithm, victims, steps, scale_lr, cluster)
+    for rank in survivors:
+        mine, theirs = params(found[rank]), params(ref[rank])
+        assert np.array_equal(mine, theirs), (
+            f"rank {rank}: parameters differ from the reference that shrinks at steps "
+            f"{steps} (victims {victims}) in {int((mine != theirs).sum())} of {mine.size} "
+            f"entries, by up to {np.abs(mine - theirs).max():.3g}")
+        assert found[rank]["ledger"] == ref[rank]["ledger"]
+        assert found[rank]["lr"] == ref[rank]["lr"]
+    return found
+
+
+def ft_job(tmp_path, *argv: str, timeout: str = "60",
+           n: int = N) -> tuple[int, float, str, list[int]]:
+    return run_job(n, [PROGRAM, str(tmp_path), "--steps", str(STEPS), *argv], OUTER_S,
+                   COMMLIB_TIMEOUT=timeout)
+
+
+def test_one_rank_exits_lr_rescaled(tmp_path, tmp_path_factory):
+    """``os._exit`` mid-backward (SIGKILL mid-backward: the two-tier, decentralized,
+    local_sgd, replacement and store tests); ``scale_lr``: the learning rate becomes 3/4 of
+    itself at the shrink, as in the reference."""
+    status, _, out, left = ft_job(tmp_path, "--fault", "exit", "--scale-lr")
+    found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left, scale_lr=True)
+    assert found[0]["lr"] == 0.05 * 3 / 4, found[0]["lr"]
+
+
+def test_two_successive_failures(tmp_path, tmp_path_factory):
+    status, _, out, left = ft_job(tmp_path, "--fault", "kill", "--victims", "3,2",
+                                  "--at", "8,16")
+    check(tmp_path, tmp_path_factory, [0, 1], 2, status, out, left)
+
+
+def test_survivors_one_step_apart(tmp_path, tmp_path_factory):
+    """Rank 1 misses step 13 that ranks 0 and 2 applied: the agreement takes step 13 (the
+    most advanced commit) and rank 1 receives the state from rank 0."""
+    status, _, out, left = ft_job(tmp_path, "--fault", "lag")
+    found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left)
+    values = found[0]["recoveries"][0]["values"]
+    assert values == {"0": [13, True], "1": [12, True], "2": [13, True]}, values
+
+
+def test_skipping_the_step_agreement_goes_wrong(tmp_path):
+    """Negative control (3 ranks: no reference needed): the same failure, each survivor
+    going on from its own commit: rank 1 stays a step behind rank 0, their collectives no
+    longer match, and the job does not finish (the watchdog ends it)."""
+    status, _, out, left = ft_job(tmp_path, "--fault", "lag", "--victims", "2",
+                                  "--skip-agreement", timeout="6", n=3)
+    assert status != -9 and not left, (status, out[-2000:])
+    assert status == 70 and not results(str(tmp_path)), (status, out[-2000:])
+    assert "did not complete within 6 s" in out
+
+
+# A known rare flake, open in issue 21's closing note (once in ~20 runs a survivor did not
+# finish); one rerun, which the report shows as RERUN.
+@pytest.mark.flaky(reruns=1)
+@pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd"])
+def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
+    at = "14" if algorithm == "local_sgd" else "12"  # mid-round: the round is discarded
+    status, _, out, left = ft_job(tmp_path, "--fault", "kill", "--algorithm", algorithm,
+                                  "--at", at)
+    found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left, algorithm)
+    if algorithm == "local_sgd":
+        assert found[0]["recoveries"][0]["step"] == 12  # the last average, before step 14
+
+
+def test_the_check_tells_one_step_apart(tmp_path_factory):
+    """The exact comparison can fail: references shrinking one step apart differ."""
+    a = reference(tmp_path_factory, "gradient_allreduce", "3", "12")
+    b = reference(tmp_path_factory, "gradient_allreduce", "3", "13")
+    assert not np.array_equal(params(a[0]), params(b[0]))
+
+
+def test_fewer_survivors_than_min_ranks_end_the_job(tmp_path):
+    """``run(min_ranks=3)`` at 3 ranks: after the kill 2 survive; each raises CommError,
+    the job ends (no survivor finishes, nothing hangs or is left)."""
+    status, _, out, left = ft_job(tmp_path, "--fault", "kill", "--victims", "2",
+                                  "--min-ranks", "3", n=3)
+    assert status not in (0, -9) and not left, (status, out[-2000:])
+    assert not results(str(tmp_path)), out[-2000:]
+    assert "2 rank(s) survive, fewer than min_ranks=3" in out, out[-2000:]
+    assert not leftover_shm(str(tmp_path))
+
+
+OK, WHY = netsim.can_build_cluster()
+
+
+@pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.parametrize("layout", [(2, 2), (4, 1)])
+def test_two_tier_cluster(tmp_path, tmp_path_factory, layout):
+    """SIGKILL of rank 3: on 2 x 2 hydra ends its node (rank 2 too), on 4 x 1 it dies
+    alone; the survivors finish, exactly as the reference. The reference is the per-rank
+    launch's (measured bitwise equal to the same reference run on the cluster: 4 x 1 has
+    its layout, one rank per node; on 2 x 2 MPICH's 4-rank allreduce adds the same pairs,
+    (0+1)+(2+3), and 2 ranks add in either order alike), so no reference job runs here."""
+    nodes, per_node = layout
+    with netsim.two_tier(nodes=nodes, ranks_per_node=per_node, rate_mbit=None) as cluster:
+        argv = [PROGRAM, str(tmp_path), "--steps", str(STEPS), "--fault", "kill"]
+        status, _, out, left = run_cluster_job(cluster, argv, OUTER_S, COMMLIB_TIMEOUT="60")
+    survivors = [0, 1] if per_node == 2 else [0, 1, 2]
+    found = results(str(tmp_path))
+    recoveries = len(next(iter(found.values()))["recoveries"]) if found else 1
+    check(tmp_path, tmp_path_factory, survivors, recoveries, status, out, left)
+
+
+# A known rare flake, open in issue 21's closing note (once in 6 full runs the grown job did
+# not end after training); one rerun, which the report shows as RERUN.
+@pytest.mark.flaky(reruns=1)
+def test_a_replacement_joins(tmp_path, tmp_path_factory):
+    """Section 4: after the kill the survivors spawn a replacement (``MPI_Comm_spawn`` on
+    the dead rank's host), send it the state by broadcast, and the four go on: exactly the
+    run in which nobody died."""
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(N))
+    status, _, out, left = run_job(N, [PROGRAM, str(tmp_path), "--steps", str(STEPS),
+                                       "--fault", "kill", "--replace"], OUTER_S,
+                                   COMMLIB_TIMEOUT="60", ELASTIC_HOSTS=hosts)
+    assert status != -9 and not left, (status, out[-3000:])
+    assert not leftover_shm(str(tmp_path))
+    found = results(str(tmp_path))
+    assert sorted(found) == [0, 1, 2, 3], f"{sorted(found)} finished\n{out[-3000:]}"
+    for rank, r in found.items():
+        assert r["step"] == STEPS and r["size"] == N, (rank, r["step"], r["size"])
+        grown = [x for x in r["recoveries"] if x.get("grown")]
+        assert len(grown) == 1 and grown[0]["size"] == N, r["recoveries"]
+        assert [s for s, _ in r["ledger"]] == list(range(1, STEPS + 1))
+        assert all(n == N for _, n in r["ledger"]), r["ledger"]
+    ref = reference(tmp_path_factory, "gradient_allreduce", "", "")  # nobody dies
+    for rank in range(N):
+        assert np.array_equal(params(found[rank]), params(ref[rank])), \
+            f"rank {rank} (the replacement: {rank == N - 1}) differs from the run without failure"

@@ -1,0 +1,77 @@
+"""Fault-tolerant groups under real failures (issue 21 section 1): ``elastic_ft_program.py``
+jobs of 4 ranks, one hydra proxy per rank (``-disable-auto-cleanup``), each under an outer
+timeout. Every survivor must get :class:`commlib.PeerFailure`, shrink, agree on the
+iteration (at most one apart), and finish with every later collective exact; nothing may
+hang, no process of the job may be left, no MPICH segment may stay in ``/dev/shm``.
+
+Cases: SIGKILL of one rank, ``os._exit`` of one, an ordinary ``sys.exit(0)`` of one (which
+must count as dead), two successive kills, a second death inside the survivors' agreement,
+and one while they build their communicator. Negative controls: the same kill with fault
+tolerance off ends the job, under today's launch (one proxy: hydra kills every rank) and
+under the per-rank launch (the survivors wait until the watchdog aborts the job).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elastic_common import HERE, leftover_shm, results, run_job
+from helpers import serial_only
+
+PROGRAM = os.path.join(HERE, "elastic_ft_program.py")
+N = 4
+OUTER_S = 90
+pytestmark = [serial_only, pytest.mark.timeout(600)]
+
+# case -> (survivors, sizes of the groups a survivor goes through)
+CASES = {
+    "kill": ([0, 1, 2], [4, 3]),
+    "exit": ([0, 1, 2], [4, 3]),
+    "sysexit": ([0, 1, 2], [4, 3]),
+    "two": ([0, 1], [4, 3, 2]),
+    "during": ([0, 1], [4, 2]),
+    "creating": ([0, 1], [4, 2]),
+}
+
+
+def check_job(tmp_path, case: str, status: int, out: str, left: list[int]) -> dict[int, dict]:
+    survivors, sizes = CASES[case]
+    assert status != -9, f"{case}: hang (killed after {OUTER_S} s)\n{out[-3000:]}"
+    assert not left, f"{case}: processes {left} of the job were left running"
+    assert not leftover_shm(str(tmp_path)), f"{case}: left {leftover_shm(str(tmp_path))}"
+    found = results(str(tmp_path))
+    assert sorted(found) == survivors, f"{case}: ranks {sorted(found)} finished, expected " \
+                                       f"{survivors}\n{out[-3000:]}"
+    for rank, data in found.items():
+        assert data["iters"] == 60, f"{case} rank {rank}: stopped at {data['iters']}"
+        assert [g["size"] for g in data["groups"]] == sizes, (case, rank, data["groups"])
+        for g in data["groups"][1:]:
+            assert g["ranks"] == survivors or len(g["ranks"]) > len(survivors), (case, g)
+            assert "recovery_s" in g, f"{case} rank {rank}: no collective after the shrink"
+    # The same agreement everywhere.
+    for i in range(1, len(sizes)):
+        seen = {str(found[r]["groups"][i]["values"]) for r in survivors}
+        assert len(seen) == 1, f"{case}: survivors agreed differently: {seen}"
+    return found
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_survivors_go_on(tmp_path, case):
+    status, seconds, out, left = run_job(N, [PROGRAM, str(tmp_path), case], OUTER_S,
+                                         COMMLIB_TIMEOUT="60")
+    check_job(tmp_path, case, status, out, left)
+
+
+def test_without_fault_tolerance_the_kill_ends_the_job(tmp_path):
+    """Negative control: fault tolerance off. Today's launch (one proxy for the host):
+    hydra ends every rank (status 9); the per-rank launch: the survivors wait in their
+    allreduce until the watchdog aborts the job (status 70). No survivor finishes."""
+    status, _, out, left = run_job(N, [PROGRAM, str(tmp_path), "kill", "--no-ft"], OUTER_S,
+                                   per_rank=False, COMMLIB_TIMEOUT="60")
+    assert status == 9 and not results(str(tmp_path)) and not left, (status, out[-2000:])
+    status, _, out, left = run_job(N, [PROGRAM, str(tmp_path), "kill", "--no-ft"], OUTER_S,
+                                   COMMLIB_TIMEOUT="4")
+    assert status == 70 and not results(str(tmp_path)) and not left, (status, out[-2000:])
+    assert "did not complete within 4 s" in out
+    assert not leftover_shm(str(tmp_path))

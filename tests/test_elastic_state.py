@@ -1,0 +1,123 @@
+"""``commlib.elastic`` pieces that need no failure (1 rank, in the pytest process, cheap):
+the sampler's re-sharding, the state's commits and user values, and what elastic training
+refuses (algorithms whose state cannot survive a death, ZeRO), each refused with an error
+naming it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import commlib
+from commlib import elastic
+from commlib.elastic.state import POLICIES, UNSUPPORTED
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(1, 300), batch=st.integers(1, 64), seed=st.integers(0, 9),
+       shuffle=st.booleans(), sizes=st.lists(st.integers(1, 7), min_size=1, max_size=4),
+       shrink_at=st.integers(0, 40))
+def test_sampler_reshards_without_repeating_or_skipping(length, batch, seed, shuffle,
+                                                        sizes, shrink_at):
+    """Whatever the group sizes a job goes through (a shrink at step ``shrink_at`` each),
+    every step's shards over the ranks are disjoint and together exactly that step's global
+    batch, which depends on the step alone; every epoch reads each sample at most once."""
+    if batch > length:
+        with pytest.raises(ValueError, match="batch_size"):
+            elastic.ElasticSampler(length, batch)
+        return
+    sampler = elastic.ElasticSampler(length, batch, shuffle=shuffle, seed=seed)
+    fixed = elastic.ElasticSampler(length, batch, shuffle=shuffle, seed=seed)
+    steps = 3 * sampler.steps_per_epoch
+    seen: dict[int, list[int]] = {}
+    for step in range(steps):
+        size = sizes[min(len(sizes) - 1, step // max(1, shrink_at))] if shrink_at else sizes[-1]
+        shards = [sampler.indices(step, r, size) for r in range(size)]
+        joined = [i for s in shards for i in s]
+        case = f"length={length} batch={batch} step={step} size={size}"
+        assert joined == fixed.global_batch(step).tolist(), case
+        assert len(set(joined)) == batch, case
+        assert max(len(s) for s in shards) - min(len(s) for s in shards) <= 1, case
+        seen.setdefault(sampler.epoch_of(step), []).extend(joined)
+    for epoch, idx in seen.items():
+        assert len(idx) == len(set(idx)), f"epoch {epoch} read a sample twice"
+    if shuffle and length >= 8 and sampler.steps_per_epoch >= 2:
+        assert not np.array_equal(sampler.global_batch(0),
+                                  sampler.global_batch(sampler.steps_per_epoch))
+
+
+def test_sampler_iterates_from_the_states_step():
+    sampler = elastic.ElasticSampler(40, 8, seed=1)
+    with pytest.raises(RuntimeError, match="sampler of a commlib.elastic.State"):
+        next(iter(sampler))
+    state = elastic.State(None, None, sampler)
+    state.__dict__["group"] = commlib.world()
+    state.commit(), state.commit()
+    batches = list(sampler)
+    assert len(batches) == sampler.steps_per_epoch - 2
+    assert batches[0] == sampler.global_batch(2).tolist()  # 1 rank: the whole batch
+
+
+def test_state_values_and_commits():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.State(model, optimizer, epoch=4, commit_every=2)
+    assert state.epoch == 4 and state.step == 0 and state.last_commit == 0
+    state.epoch = 5
+    assert state.values == {"epoch": 5}
+    with pytest.raises(AttributeError, match="nothing"):
+        state.nothing
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state.commit()
+    assert state.step == 1 and state.last_commit == 0
+    assert state._value() == (0, False)  # moved past the commit, which kept no copy
+    optimizer.step()
+    state.commit()
+    assert state.last_commit == 2 and state._value() == (2, True)
+    assert torch.equal(state._commits[-1].model["weight"], model.weight.detach())
+    assert state._commits[-1].values == {"epoch": 5}
+    for bad in ({"commit_every": 0}, {"keep": 1}):
+        with pytest.raises(ValueError, match="commit_every"):
+            elastic.State(model, optimizer, **bad)
+
+
+def test_replicated_state_is_not_copied():
+    """commit_every=1 with gradient_allreduce: every survivor holds the last commit
+    already, nothing is copied."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.State(model, optimizer)
+    ddp = state.wrap()
+    try:
+        ddp(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        state.commit()
+        assert state._value() == (1, True) and not state._commits[-1].full
+        optimizer.step()  # a step without commit: the live state is no commit any more
+        assert state._value() == (1, False)
+    finally:
+        state.close_wrapper()
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_algorithms_are_refused(name):
+    state = elastic.State(torch.nn.Linear(3, 2))
+    with pytest.raises(commlib.CommError, match=f"algorithm '{name}' is not supported"):
+        state.wrap(algorithm=name)
+
+
+def test_every_algorithm_is_either_supported_or_refused():
+    from commlib.algorithms import available
+    missing = set(available()) - set(POLICIES) - set(UNSUPPORTED)
+    assert not missing, f"algorithms unknown to commlib.elastic: {sorted(missing)}"
+
+
+def test_zero_is_refused():
+    model = torch.nn.Linear(3, 2)
+    optimizer = commlib.ZeroRedundancyOptimizer(model.parameters(),
+                                                optimizer_class=torch.optim.SGD, lr=0.1)
+    with pytest.raises(commlib.CommError, match="ZeRO optimizers are not supported"):
+        elastic.State(model, optimizer)
