@@ -29,6 +29,10 @@ def per_rank_hosts(n: int, keep_running: bool = True) -> list[str]:
         (["-disable-auto-cleanup"] if keep_running else [])
 
 
+#: Seconds a job's processes may take to exit after its launcher returned.
+LEFT_GRACE_S = 10.0
+
+
 def run_job(n: int, argv: list[str], timeout: float, per_rank: bool = True,
             keep_running: bool = True, **env: str | None) -> tuple[int, float, str, list[int]]:
     """Run ``mpiexec [per-rank options] -n n python argv...`` in a session of its own with
@@ -67,6 +71,12 @@ def _finish(proc: subprocess.Popen, tag: str, timeout: float,
     out += hung
     seconds = time.monotonic() - start
     left = job_pids(tag)
+    # Left behind = still alive a while after the launcher returned: after an abort, ranks
+    # that hydra's proxies signalled may still be exiting (seen at load average 25).
+    deadline = time.monotonic() + LEFT_GRACE_S
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = job_pids(tag)
     kill_all(left)  # never leave anything behind, even when the test fails
     return code, seconds, out, left
 
