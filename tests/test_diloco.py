@@ -63,16 +63,18 @@ def reference_run(cfg):
     return out
 
 
-def our_run(cfg, algorithm=None):
+def our_run(cfg, algorithm=None, min_buckets=3):
     """Ours: the weights after each step's outer step (taken at the next forward, where
-    the outer step runs, and after a last settling forward)."""
+    the outer step runs, and after a last settling forward). ``algorithm``: default
+    ``DiLoCo(**cfg)`` (test_diloco_streaming passes its own); ``min_buckets``: the model
+    must span at least that many buckets."""
     rank, n = commlib.get_rank(), commlib.get_world_size()
     x, y = digits(torch.float64)
     module = model(torch.float64)
     kwargs = {k: v for k, v in cfg.items() if k != "inner"}
     ddp = commlib.DistributedDataParallel(module, algorithm=algorithm or DiLoCo(**kwargs),
                                           bucket_cap_mb=BUCKET_MB)
-    assert len(ddp._ctx.buckets) >= 3
+    assert len(ddp._ctx.buckets) >= min_buckets
     opt = inner(cfg["inner"], param_groups(module))
     out = []
     handle = module.register_forward_pre_hook(lambda *_: out.append(flat(module)))

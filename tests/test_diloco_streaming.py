@@ -11,7 +11,7 @@ pytest.importorskip("sklearn")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-from algo_harness import (BUCKET_MB, batch_indices, digits, model,  # noqa: E402
+from algo_harness import (batch_indices, digits, model,  # noqa: E402
                           param_groups, train)
 from commlib import accounting  # noqa: E402
 from commlib.algorithms import int4  # noqa: E402
@@ -19,6 +19,7 @@ from commlib.algorithms.streaming_diloco import StreamingDiLoCo, split_layers  #
 from commlib.primitives import allreduce  # noqa: E402
 from commlib.reduce_ops import ReduceOp  # noqa: E402
 from test_diloco import flat, gap, inner  # noqa: E402
+from test_diloco import our_run as diloco_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
@@ -69,27 +70,8 @@ def reference_run(cfg):
 
 
 def our_run(cfg):
-    rank, n = commlib.get_rank(), commlib.get_world_size()
-    x, y = digits(torch.float64)
-    module = model(torch.float64)
-    kwargs = {k: v for k, v in cfg.items() if k != "inner"}
-    ddp = commlib.DistributedDataParallel(module, algorithm=StreamingDiLoCo(**kwargs),
-                                          bucket_cap_mb=BUCKET_MB)
-    opt = inner(cfg["inner"], param_groups(module))
-    out = []
-    handle = module.register_forward_pre_hook(lambda *_: out.append(flat(module)))
-    try:
-        for step in range(STEPS):
-            idx = batch_indices(rank, n, step)
-            opt.zero_grad()
-            F.cross_entropy(ddp(x[idx]), y[idx]).backward()
-            opt.step()
-        with torch.enable_grad():
-            ddp(x[:1])
-    finally:
-        handle.remove()
-        ddp.close()
-    return out[1:]
+    return diloco_run(cfg, algorithm=StreamingDiLoCo(
+        **{k: v for k, v in cfg.items() if k != "inner"}), min_buckets=0)
 
 
 BASE = dict(sync_every=4, num_fragments=2, fragment_sync_delay=0, fragment_update_alpha=0.0,
