@@ -86,14 +86,14 @@ def mpiexec() -> str:
     return here if os.path.exists(here) else "mpiexec"
 
 
-def run_mpi(n: int, args: list[str], timeout: float,
+def run_mpi(n: int, args: list[str], timeout: float, mpiexec_args: tuple[str, ...] = (),
             **env: str | None) -> tuple[int, float, str]:
-    """Run ``mpiexec -n n python args...`` with an outer timeout.
+    """Run ``mpiexec [mpiexec_args] -n n python args...`` with an outer timeout.
 
     Returns (exit status, seconds, combined output); a run that outlives ``timeout`` is
     killed with its whole process group and reported as status -9.
     """
-    cmd = [mpiexec(), "-n", str(n), sys.executable] + args
+    cmd = [mpiexec(), *mpiexec_args, "-n", str(n), sys.executable] + args
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=clean_env(**env), start_new_session=True, text=True)

@@ -28,6 +28,12 @@ import commlib  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+
+def say(line: str) -> None:
+    """One line in one write(2): the workers of a launcher share its stdout, and print()'s
+    separate writes of the text and the newline interleave between processes."""
+    os.write(1, (line + "\n").encode())
+
 expect = sys.argv[1]
 bench = "--bench" in sys.argv
 crash = int(sys.argv[sys.argv.index("--crash-rank") + 1]) if "--crash-rank" in sys.argv else -1
@@ -61,11 +67,11 @@ x = data[rank].copy()
 commlib.allreduce(x)
 first_allreduce = time.time()
 assert np.allclose(x, np.sum(data, axis=0), rtol=1e-12, atol=1e-12), "allreduce != numpy"
-print(f"rank {rank} attempt {attempt} kvsname={world.kvsname if world else None} "
+say(f"rank {rank} attempt {attempt} kvsname={world.kvsname if world else None} "
       f"first allreduce at {first_allreduce:.3f} "
-      f"boot_s {first_allreduce - T0:.3f}", flush=True)
+      f"boot_s {first_allreduce - T0:.3f}")
 if rank == crash and attempt == 0:
-    print(f"rank {rank} killing itself at {time.time():.3f}", flush=True)
+    say(f"rank {rank} killing itself at {time.time():.3f}")
     os.kill(os.getpid(), 9)
 
 import torch  # noqa: E402
@@ -133,11 +139,9 @@ if bench:
         start = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, big)
         times.append(time.perf_counter() - start)
-    print(f"rank {rank} allreduce16MiB_ms {1000 * float(np.median(times[2:])):.2f} "
-          + " ".join(f"{k} {v:.3f}" for k, v in (world.timings if world else {}).items()),
-          flush=True)
+    say(f"rank {rank} allreduce16MiB_ms {1000 * float(np.median(times[2:])):.2f} "
+          + " ".join(f"{k} {v:.3f}" for k, v in (world.timings if world else {}).items()))
 
 kvsname = world.kvsname if world is not None else "-"
 dist.destroy_process_group()
-print(f"rank {rank} of {size} ok kvsname={kvsname} local={node.Get_rank()}/{node.Get_size()}",
-      flush=True)
+say(f"rank {rank} of {size} ok kvsname={kvsname} local={node.Get_rank()}/{node.Get_size()}")

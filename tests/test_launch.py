@@ -132,7 +132,7 @@ def test_torchrun_two_agents_c10d_rendezvous_two_nodes():
     out = "".join(outs)
     assert codes == [0, 0], out
     check_job(out, 4)
-    assert sorted(re.findall(r"rank \d of 4 ok \S+ local=(\S+)", out)) == \
+    assert sorted(re.findall(r"rank \d of 4 ok \S+ local=(\d+/\d+)", out)) == \
         ["0/2", "0/2", "1/2", "1/2"], out
 
 
@@ -162,7 +162,7 @@ def test_emulated_slurm_step_two_nodes():
     codes, out = run_ranks(envs, [PROGRAM, "store"], timeout=240)
     assert codes == [0] * n, out
     check_job(out, n)
-    assert re.findall(r"rank \d of 3 ok \S+ local=(\S+)", out).count("0/1") == 1, out
+    assert re.findall(r"rank \d of 3 ok \S+ local=(\d+/\d+)", out).count("0/1") == 1, out
 
 
 def _port_free(port: int) -> bool:

@@ -70,7 +70,7 @@ def test_torchrun_two_nodes_on_the_emulated_cluster():
         assert codes == [0, 0], out[-4000:]
         check_job(out, 4)
         # two emulated nodes of two ranks each: MPI saw the namespaces' hostnames
-        assert sorted(re.findall(r"rank \d of 4 ok \S+ local=(\S+)", out)) == \
+        assert sorted(re.findall(r"rank \d of 4 ok \S+ local=(\d+/\d+)", out)) == \
             ["0/2", "0/2", "1/2", "1/2"], out[-4000:]
         # negative control: a rendezvous waiting for a third node never forms a world
         codes, out = agents(cluster, 3, 120, ",join_timeout=15")
