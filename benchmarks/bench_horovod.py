@@ -16,6 +16,7 @@ Two measurements, both at 2 and 4 ranks by default:
     python benchmarks/bench_horovod.py --ranks 2 4 --reps 3 \\
         --horovod-python /work/hvdvenv/bin/python      # real Horovod's venv, optional
     python benchmarks/bench_horovod.py --old-tree /tmp/old   # also an older commlib checkout
+    python benchmarks/bench_horovod.py --latency --ranks 2 4 --reps 3   # latency only
 
 Figures are medians over repetitions; every job is launched by this driver (no mpiexec
 around it).
@@ -131,6 +132,68 @@ def worker(args: argparse.Namespace) -> None:
     hvd.shutdown()
 
 
+def latency_worker(args: argparse.Namespace) -> None:
+    """``--latency``: a blocking ``hvd.allreduce`` of ``--latency-floats`` float32
+    (unnamed and named) against ``commlib.allreduce`` of the same tensor, interleaved call
+    by call in this job; every call starts after a barrier-free warm-up. Prints rank 0's
+    median wall-clock and thread-CPU microseconds per call."""
+    import torch
+    torch.set_num_threads(1)
+    if args.worker == "horovod":
+        import horovod.torch as hvd
+    else:
+        import commlib
+        import commlib.horovod as hvd
+    hvd.init()
+    t = torch.ones(args.latency_floats)
+    calls = {"hvd.allreduce": lambda: hvd.allreduce(t, op=hvd.Sum),
+             "hvd.allreduce named": lambda: hvd.allreduce(t, op=hvd.Sum, name="lat")}
+    if args.worker == "horovod":
+        calls = {"Horovod 0.28.1 " + k: v for k, v in calls.items()}
+    else:
+        x = t.clone()
+        calls["commlib.allreduce"] = lambda: commlib.allreduce(x)
+    wall = {k: [] for k in calls}
+    cpu = {k: [] for k in calls}
+    for _ in range(200):
+        for fn in calls.values():
+            fn()
+    clock, thread = time.perf_counter, time.thread_time
+    for _ in range(args.latency_reps):
+        for k, fn in calls.items():
+            c0, t0 = thread(), clock()
+            fn()
+            t1, c1 = clock(), thread()
+            wall[k].append(t1 - t0)
+            cpu[k].append(c1 - c0)
+    if hvd.rank() == 0:
+        for k in calls:
+            print(f"LAT_US {k}: {statistics.median(wall[k]) * 1e6:.1f}", flush=True)
+            print(f"CPU_US {k}: {statistics.median(cpu[k]) * 1e6:.1f}", flush=True)
+    hvd.shutdown()
+
+
+def latency_main(args: argparse.Namespace, jobs: list) -> int:
+    print(f"# load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    for n in args.ranks:
+        results: dict = {}
+        for rep in range(args.reps):
+            for kind, python, tree, tag in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
+                for (key, name), v in launch(python, n, kind, args, tree).items():
+                    results.setdefault((key, name + tag), []).append(v)
+        print(f"\n## {n} ranks: blocking allreduce of {args.latency_floats} float32, median "
+              f"of {args.latency_reps} calls per job, median of {args.reps} jobs "
+              f"(load average now {os.getloadavg()[0]:.1f})")
+        print("| call | wall us | thread CPU us |\n|---|---|---|")
+        names = sorted({name for _, name in results})
+        for name in names:
+            w = statistics.median(results.get(("LAT_US", name), [float("nan")]))
+            c = statistics.median(results.get(("CPU_US", name), [float("nan")]))
+            print(f"| {name} | {w:.1f} | {c:.1f} |")
+    print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
 # -- the driver --------------------------------------------------------------------------
 def launch(python: str, n: int, kind: str, args: argparse.Namespace, tree: str) -> dict:
     mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
@@ -140,14 +203,16 @@ def launch(python: str, n: int, kind: str, args: argparse.Namespace, tree: str) 
            "--batch-size", str(args.batch_size), "--width", str(args.width),
            "--warmup", str(args.warmup), "--iters", str(args.iters),
            "--batches-per-iter", str(args.batches_per_iter),
-           "--latency-reps", str(args.latency_reps)]
+           "--latency-reps", str(args.latency_reps),
+           "--latency-floats", str(args.latency_floats)] + (["--latency"] if args.latency else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
     env["PYTHONPATH"] = tree
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
     got = {}
-    for key, name, value in re.findall(r"^(IMG_S|LAT_US) (.+): ([0-9.]+)$", out.stdout, re.M):
+    for key, name, value in re.findall(r"^(IMG_S|LAT_US|CPU_US) (.+): ([0-9.]+)$", out.stdout,
+                                       re.M):
         got[(key, name)] = float(value)
     return got
 
@@ -165,16 +230,22 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--batches-per-iter", type=int, default=3)
     p.add_argument("--latency-reps", type=int, default=2000)
+    p.add_argument("--latency", action="store_true",
+                   help="only the small-allreduce latency (hvd.allreduce vs commlib.allreduce "
+                        "in one job, wall and thread-CPU medians)")
+    p.add_argument("--latency-floats", type=int, default=4)
     p.add_argument("--worker", choices=["commlib", "horovod"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args)
+        (latency_worker if args.latency else worker)(args)
         return 0
     jobs = [("commlib", sys.executable, REPO, "")]
     if args.old_tree:
         jobs.append(("commlib", sys.executable, args.old_tree, " (old tree)"))
     if args.horovod_python:
         jobs.append(("horovod", args.horovod_python, "", ""))
+    if args.latency:
+        return latency_main(args, jobs)
     print(f"# load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for n in args.ranks:
         results: dict = {}

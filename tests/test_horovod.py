@@ -160,6 +160,41 @@ def test_tiny_blocking_allreduce_is_one_collective():
     assert calls == 2, f"a 4 KB allreduce made {calls} collectives, expected 2"
 
 
+def test_express_lane_mismatches_after_a_warm_cache():
+    """The express lane of tiny blocking allreduces announces a cached (name, metadata)
+    as a 4-byte id: after both variants of a name ran on every rank (both cached), one rank
+    switching dtype, op or scale factor (same name, same shape, same byte count) still
+    raises on every rank, and the name works again afterwards."""
+    n, me = hvd.size(), hvd.rank()
+    variants = [dict(dtype=torch.float32, op=hvd.Sum), dict(dtype=torch.int32, op=hvd.Sum),
+                dict(dtype=torch.float32, op=hvd.Max),
+                dict(dtype=torch.float32, op=hvd.Sum, prescale_factor=2.0)]
+    for v in variants:   # warm: every variant ran (and is cached) on every rank
+        kw = {k: x for k, x in v.items() if k != "dtype"}
+        for _ in range(2):
+            got = hvd.allreduce(torch.ones(4, dtype=v["dtype"]), name="warm", **kw)
+            pre = v.get("prescale_factor", 1.0)
+            want = torch.full((4,), (n if v["op"] == hvd.Sum else 1) * pre).to(v["dtype"])
+            same(got, want, f"warm {v}")
+    if n == 1:
+        return
+    cases = 0
+    for a, b in itertools.combinations(variants, 2):
+        v = a if me == 0 else b
+        kw = {k: x for k, x in v.items() if k != "dtype"}
+        raises_everywhere(lambda: hvd.allreduce(torch.ones(4, dtype=v["dtype"]), name="warm",
+                                                **kw),
+                          RuntimeError, f"rank 0 {a}, others {b}")
+        # and a fresh (uncached) name with a dtype mismatch of the same byte count
+        raises_everywhere(lambda: hvd.allreduce(
+            torch.ones(4, dtype=torch.float32 if me == 0 else torch.int32),
+            name=f"fresh{cases}"), RuntimeError, f"fresh name {cases}")
+        same(hvd.allreduce(torch.ones(4), name="warm", op=hvd.Sum), torch.full((4,), float(n)),
+             f"after mismatch {a} {b}")
+        cases += 1
+    assert cases == 6
+
+
 def test_gather_broadcast_alltoall_reducescatter():
     n, me = hvd.size(), hvd.rank()
     cases = 0
@@ -233,9 +268,16 @@ def test_errors_are_raised_on_every_rank():
         for what, fn in bad:
             raises_everywhere(fn, RuntimeError, f"mismatched {what}")
         hvd.barrier()
-        h = hvd.allreduce_async(torch.ones(2), name="dup")
-        with pytest.raises(ValueError):
-            hvd.allreduce_async(torch.ones(2), name="dup")
+        # rank 0's second "dup" comes while its first is surely pending: the others
+        # submit theirs only after the barrier, which rank 0 enters after its check
+        if me == 0:
+            h = hvd.allreduce_async(torch.ones(2), name="dup")
+            with pytest.raises(ValueError):
+                hvd.allreduce_async(torch.ones(2), name="dup")
+            hvd.barrier()
+        else:
+            hvd.barrier()
+            h = hvd.allreduce_async(torch.ones(2), name="dup")
         hvd.synchronize(h)
         # join: the last rank joins first; the others' allreduces average its zeros in
         first = n - 1

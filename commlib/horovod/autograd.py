@@ -49,13 +49,20 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """Reduce ``tensor`` over ``process_set``; returns a new tensor (same shape, dtype,
     device), differentiable. ``compression`` compresses before the exchange and
     decompresses after it."""
+    if compression is Compression.none and not (tensor.requires_grad
+                                                and torch.is_grad_enabled()):
+        # the common blocking case: no compression, no graph (skip both wrappers)
+        return ops.allreduce_blocking(tensor, average, name,
+                                      Average if op is None and average is None else op,
+                                      prescale_factor, postscale_factor, process_set, False)
     compressed, cctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
         out = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
                                      postscale_factor, process_set)
     else:   # no graph to record: skip autograd.Function's own cost
-        out = call(ops.allreduce_async, compressed, average, name, op, prescale_factor,
-                   postscale_factor, process_set)
+        out = ops.allreduce_blocking(compressed, average, name,
+                                     Average if op is None and average is None else op,
+                                     prescale_factor, postscale_factor, process_set, False)
     return compression.decompress(out, cctx)
 
 

@@ -55,6 +55,7 @@ import time
 from typing import Any, Optional
 
 import numpy as np
+from torch import from_numpy as torch_from_numpy
 
 from .. import runtime, shutdown as _shutdown
 from ..options import options
@@ -63,12 +64,14 @@ from ..watchdog import abort_job
 from ..primitives import allgather, new_group
 from . import state as _state
 from . import wire
-from .execute import check, inline_allreduce, run
+from .execute import (_NP_COMBINE, _np_scale, check, inline_allreduce, post_factor,
+                      run)
 from .requests import (HorovodInternalError, Request, _tls, call,  # noqa: F401 (re-exported)
                        forget_handles, new_handle, poll, synchronize)
 
 SLOT_BYTES = 512
 _LENGTH = struct.Struct("<I")
+_CID = struct.Struct("<I")
 CACHE_CAPACITY = 1 << 14
 
 
@@ -112,6 +115,7 @@ class Controller:
         self.inline: dict[str, dict[int, tuple]] = {}   # name -> rank -> (slot, offset)
         self._slot = np.zeros(SLOT_BYTES, dtype=np.uint8)
         self._slot_view = memoryview(self._slot)
+        self._rows = np.zeros((self.size, SLOT_BYTES), dtype=np.uint8)
         self._thread: Optional[threading.Thread] = None
         self._driving = threading.Lock()
 
@@ -191,6 +195,99 @@ class Controller:
             while not req.done:
                 self._round()
 
+    # -- the express lane (caller's thread) ------------------------------------------------
+    def express(self, tensor: Any, name: Any, ent: tuple, out: Any) -> Any:
+        """A blocking tiny allreduce (``ent``: its memoized metadata, see
+        :func:`commlib.horovod.ops.express_entry`) in one round driven right here, when
+        this rank has nothing else outstanding; ``NotImplemented`` (nothing done, no name
+        taken) when it has. The round is the general one - the same slot bytes as
+        :meth:`_round` would send - so ranks in a general round (joined, other pending
+        names, a different name, shape, dtype or op) see an ordinary announcement, and
+        this rank falls back to the general processing when the gathered slots are not
+        all equal to its own: a disagreement raises on every rank as ever.
+        ``out``: the tensor to write the result into (in place), or None for a new one."""
+        if not self._driving.acquire(False):
+            return NotImplemented
+        try:
+            if (self.unannounced or self.pending or self.table or self.joined
+                    or self.stopping or self.closed or self.join_req is not None):
+                return NotImplemented
+            meta, nbytes, npdt, mb, shape = ent
+            if name is None:
+                kind = "allreduce"
+                k = self.counters.get(kind, 0)
+                self.counters[kind] = k + 1
+                name = f"allreduce.noname.{k}"
+            elif name.__class__ is not str:
+                name = str(name)
+            cid = self.my_cache.get((name, meta))
+            data = (tensor.detach() if tensor.requires_grad else tensor).numpy().tobytes()
+            if cid is None:
+                ann = wire.announcement(name, mb)
+                body = b"".join((wire.HEADER.pack(0, 0, len(ann)), ann, data))
+            else:
+                body = b"".join((wire.HEADER.pack(0, 1, 0), _CID.pack(cid), data))
+            n = len(body)
+            slot = self._slot_view
+            _LENGTH.pack_into(slot, 0, n)
+            slot[4:4 + n] = body
+            work = allgather(self._slot, group=self.neg, async_op=True, out=self._rows)
+            rows = self._rows
+            if not work.is_completed():
+                work.wait()
+            self.rounds += 1
+            size, o = self.size, 4 + n - nbytes
+            rb = rows.tobytes()
+            head = rb[self.rank * SLOT_BYTES:self.rank * SLOT_BYTES + o]
+            common = True
+            for r in range(size):
+                if rb[r * SLOT_BYTES:r * SLOT_BYTES + o] != head:
+                    common = False
+                    break
+            if common:
+                if cid is None:
+                    self._cache_id(name, [meta] * size, None, meta)
+                x = rows[:, o:o + nbytes].view(npdt)
+                _, op, pre, post, _ = meta
+                if pre != 1.0:
+                    x = x.copy()
+                    _np_scale(x, pre)
+                if op <= 1 and size > 1:   # Average, Sum: rank order, as inline_allreduce
+                    acc = x[0] + x[1]
+                    for r in range(2, size):
+                        acc += x[r]
+                else:
+                    acc = x[0].copy()
+                    combine = _NP_COMBINE[op]
+                    for r in range(1, size):
+                        combine(acc, x[r], out=acc)
+                post = post_factor(op, post, size)
+                if post != 1.0:
+                    _np_scale(acc, post)
+                if out is None:
+                    return torch_from_numpy(acc if shape is None else acc.reshape(shape))
+                out.detach().view(-1).copy_(torch_from_numpy(acc))
+                return out
+            # not the common round: an ordinary one from here on (this rank's request
+            # counts as announced in it)
+            req = Request("allreduce", name, meta, [tensor], [out], {"grouped": False})
+            req.controller = self
+            with self.mutex:
+                self.pending[name] = req
+            lengths = rows.view(np.uint32)[:, 0].tolist()
+            self._digest([rb[r * SLOT_BYTES + 4:r * SLOT_BYTES + 4 + k]
+                          for r, k in enumerate(lengths)])
+            while not req.done and not self.closed:
+                if not self._round(spin=True):
+                    time.sleep(5e-5)
+        finally:
+            self._driving.release()
+        if not req.done:
+            self.wait(req)
+        if req.error is not None:
+            raise req.error
+        return req.result
+
     # -- the negotiation thread ------------------------------------------------------------
     def _has_work(self) -> bool:
         return bool(self.unannounced or self.pending or self.joined or self.stopping)
@@ -266,6 +363,10 @@ class Controller:
                     and self._fast(payload, rows, [r for _, r in cached] + fresh):
                 return True
             slots = [rows[r, 4:4 + n].tobytes() for r, n in enumerate(slots.tolist())]
+        return self._digest(slots)
+
+    def _digest(self, slots: list) -> bool:
+        """A round's gathered slots (bytes per rank) into the table; run what is ready."""
         joined, stopping, announced = set(), 0, 0
         for r, data in enumerate(slots):
             if not data:
@@ -332,8 +433,13 @@ class Controller:
                 write_stderr(f"[commlib.horovod] rank {self.ranks[self.rank]}: stalled: "
                              f"{name!r} is waiting for ranks {missing} since {age:.0f} s\n")
 
-    def _cache_id(self, name: str, metas: list, req: Optional[Request]) -> None:
-        """The response cache: the same id on every rank for a ``(name, metas)`` that ran."""
+    def _cache_id(self, name: str, metas: list, req: Optional[Request],
+                  mine: Optional[tuple] = None) -> None:
+        """The response cache: the same id on every rank for a ``(name, metas)`` that ran
+        (``mine``: this rank's metadata when there is no request). Automatic names are
+        not cached (they do not repeat; the same decision on every rank)."""
+        if ".noname." in name:
+            return
         key = (name, tuple(metas))
         cid = self.cache_ids.get(key)
         if cid is None:
@@ -343,7 +449,9 @@ class Controller:
             self.cache[cid] = (name, metas)
             self.cache_ids[key] = cid
         if req is not None:
-            self.my_cache[(name, req.meta)] = cid
+            mine = req.meta
+        if mine is not None:
+            self.my_cache[(name, mine)] = cid
 
     def _fast(self, payload: bytes, rows: Any, reqs: list) -> bool:
         """The common round: every rank announced exactly what this rank announced (the

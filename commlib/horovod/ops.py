@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import state
+from . import state, wire
 from .controller import Request, call, synchronize
 from .execute import Adasum, Average, Max, Min, Product, Sum
 from .process_sets import ProcessSet, global_process_set
@@ -102,6 +102,53 @@ def _allreduce_async(tensors: list, outputs: list, name: Optional[str], op: int,
     return _submit("allreduce", name, meta, list(tensors), list(outputs), process_set, grouped)
 
 
+_STRIDED = torch.strided
+_express: dict = {}
+
+
+def express_entry(tensor: torch.Tensor, op: int, pre: float, post: float) -> Any:
+    """The memoized metadata of a blocking allreduce that can take the controller's
+    express lane (CPU, one tensor of an inline dtype and size, not Adasum:
+    :func:`commlib.horovod.wire.inline_nbytes`), or None. Keyed by what the metadata is
+    made of, so a different dtype, shape, op or factor is a different entry."""
+    key = (tensor.dtype, tensor.shape, op, pre, post)
+    ent = _express.get(key)
+    if ent is None:
+        if op not in OPS or op == Adasum or not tensor.is_cpu or tensor.layout is not _STRIDED:
+            return None
+        meta = ("allreduce", op, float(pre), float(post), (spec(tensor, "allreduce"),))
+        nbytes = wire.inline_nbytes(meta)
+        if not nbytes:
+            return None
+        shape = tuple(tensor.shape)
+        ent = (meta, nbytes, wire.inline_numpy_dtype(meta), wire.meta_bytes(meta),
+               None if len(shape) == 1 else shape)   # None: the flat result as it is
+        if len(_express) < 1024:
+            _express[key] = ent
+    return ent
+
+
+def allreduce_blocking(tensor: torch.Tensor, average: Optional[bool], name: Optional[str],
+                       op: Optional[int], prescale_factor: float, postscale_factor: float,
+                       process_set: ProcessSet, inplace: bool) -> torch.Tensor:
+    """A blocking allreduce (the result: a new tensor, or ``tensor`` when ``inplace``):
+    tiny CPU ones through the controller's express lane (one round, no request, no
+    hand-off), the others through :func:`call`."""
+    if average is None and op is not None and tensor.is_cpu and tensor.layout is _STRIDED \
+            and tensor.is_contiguous():
+        ent = express_entry(tensor, op, prescale_factor, postscale_factor)
+        if ent is not None:
+            st = state.current
+            ctrl = st.controllers.get(process_set.process_set_id) if st is not None and \
+                isinstance(process_set, ProcessSet) else None
+            if ctrl is not None and ctrl.member:
+                out = ctrl.express(tensor, name, ent, tensor if inplace else None)
+                if out is not NotImplemented:
+                    return out
+    return call(allreduce_async_ if inplace else allreduce_async, tensor, average, name, op,
+                prescale_factor, postscale_factor, process_set)
+
+
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     name: Optional[str] = None, op: Optional[int] = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -130,8 +177,10 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce; returns ``tensor``."""
-    return call(allreduce_async_, tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set)
+    if op is None and average is None:
+        op = Average
+    return allreduce_blocking(tensor, average, name, op, prescale_factor, postscale_factor,
+                              process_set, True)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,

@@ -8,7 +8,8 @@ nothing to say, else:
   announcements, the length of the pickled new ones;
 * the cached announcements: ``uint32`` response-cache ids (a name and metadata pair that
   ran before: four bytes each, no pickle);
-* the new announcements: a pickled list of ``(name, metadata)``;
+* the new announcements, each as ``<H`` name length, the UTF-8 name, ``<H`` metadata
+  length, the pickled metadata (pickled once per distinct metadata: :func:`meta_bytes`);
 * inline data: for each announcement (cached ones first, in slot order) of a *tiny*
   allreduce (:func:`inline_nbytes`), the raw bytes of the rank's input. Every rank reduces
   those itself when the operation is ready, so a tiny allreduce costs the round's
@@ -69,12 +70,33 @@ def prefix_len(payload: bytes) -> int:
     return HEADER.size + 4 * ncid + npk
 
 
+_meta_memo: dict = {}
+_meta_loads: dict = {}
+_H = struct.Struct("<H")
+
+
+def meta_bytes(meta: tuple) -> bytes:
+    """The pickled ``meta`` (memoized: the same bytes on every rank for equal metadata)."""
+    b = _meta_memo.get(meta)
+    if b is None:
+        b = pickle.dumps(meta, protocol=4)
+        if len(_meta_memo) < 4096:
+            _meta_memo[meta] = b
+    return b
+
+
+def announcement(name: str, mb: bytes) -> bytes:
+    """One new announcement: ``name`` and its pickled metadata ``mb``."""
+    nb = name.encode()
+    return b"".join((_H.pack(len(nb)), nb, _H.pack(len(mb)), mb))
+
+
 def encode(flags: int, cached: list, new: list) -> bytes:
     """``cached``: ``(cid, request)``; ``new``: requests. Empty bytes when there is
     nothing to announce."""
     if not (flags or cached or new):
         return b""
-    pk = pickle.dumps([(r.name, r.meta) for r in new], protocol=4) if new else b""
+    pk = b"".join(announcement(r.name, meta_bytes(r.meta)) for r in new)
     parts = [HEADER.pack(flags, len(cached), len(pk))]
     if cached:
         parts.append(struct.pack(f"<{len(cached)}I", *(cid for cid, _ in cached)))
@@ -93,5 +115,19 @@ def decode(data: Any) -> tuple:
     o = HEADER.size
     cids = struct.unpack_from(f"<{ncid}I", data, o) if ncid else ()
     o += 4 * ncid
-    new = pickle.loads(data[o:o + npk]) if npk else ()
-    return flags, cids, new, o + npk
+    end = o + npk
+    new = []
+    while o < end:
+        (k,) = _H.unpack_from(data, o)
+        name = bytes(data[o + 2:o + 2 + k]).decode()
+        o += 2 + k
+        (k,) = _H.unpack_from(data, o)
+        mb = bytes(data[o + 2:o + 2 + k])
+        o += 2 + k
+        meta = _meta_loads.get(mb)
+        if meta is None:
+            meta = pickle.loads(mb)
+            if len(_meta_loads) < 4096:
+                _meta_loads[mb] = meta
+        new.append((name, meta))
+    return flags, cids, new, end
