@@ -194,3 +194,82 @@ def test_broadcast_parameters_and_optimizer_state():
     with pytest.raises(ValueError, match="LBFGS"):
         hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0)
     os.environ.pop("HOROVOD_ELASTIC", None)
+
+
+class SparseNet(nn.Module):
+    """An Embedding and an EmbeddingBag (sparse gradients when ``sparse``) and a Linear."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(20, 4, sparse=sparse)
+        self.bag = nn.EmbeddingBag(20, 4, mode="mean", sparse=sparse)
+        self.out = nn.Linear(8, 2)
+        self.double()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.emb(idx).mean(1), self.bag(idx)], 1))
+
+
+def sparse_batch(step: int, micro: int) -> tuple:
+    g = torch.Generator().manual_seed(500 + 1000 * hvd.rank() + 10 * step + micro)
+    return (torch.randint(0, 20, (3, 5), generator=g),   # rows repeat within and across ranks
+            torch.randn(3, 2, generator=g, dtype=torch.float64))
+
+
+def sparse_run(micro: int, mode: str, predivide: float = 1.0) -> list:
+    """``mode``: 'sparse' (Horovod's sparse exchange), 'dense' (sparse_as_dense=True),
+    'ddp' (torch DDP over gloo, dense embeddings), 'broken' (the sparse exchange skipped:
+    each rank applies its own sparse gradient)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = SparseNet(sparse=mode != "ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if mode == "ddp":
+        model = DDP(model, process_group=gloo_world())
+    else:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       backward_passes_per_step=micro,
+                                       sparse_as_dense=mode == "dense",
+                                       gradient_predivide_factor=predivide)
+        if mode == "broken":
+            def skip(p, opt=opt):   # bookkeeping only: no exchange
+                bucket, _ = opt._hvd_slots[p]
+                opt._hvd_ready.add(p)
+                bucket.pending -= 1
+            opt._hvd_sparse_launch = skip
+    history = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        for k in range(micro):
+            x, y = sparse_batch(s, k)
+            if mode == "ddp" and k < micro - 1:
+                with model.no_sync():
+                    F.mse_loss(model(x), y).backward()
+            else:
+                F.mse_loss(model(x), y).backward()
+        if mode == "sparse" and hvd.size() > 1:
+            assert model.emb.weight.grad.is_sparse and model.bag.weight.grad.is_sparse
+        opt.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+def test_sparse_gradients_without_sparse_as_dense():
+    """Horovod's sparse exchange (allgather of indices and values) for nn.Embedding /
+    nn.EmbeddingBag(sparse=True): parameters after every step equal (float64, 1e-12) the
+    same training with sparse_as_dense=True and torch DDP over gloo on dense embeddings,
+    with backward_passes_per_step 1 and 2 and a predivide factor; skipping the sparse
+    exchange is rejected."""
+    failures, cases = [], 0
+    for micro, predivide in ((1, 1.0), (2, 1.0), (1, 2.0)):
+        ddp = sparse_run(micro, "ddp")
+        for mode in ("sparse", "dense"):
+            why = differs(sparse_run(micro, mode, predivide), ddp, 1e-12)
+            if why:
+                failures.append(f"{mode} micro={micro} predivide={predivide}: {why}")
+            cases += 1
+    assert not failures, f"rank {hvd.rank()} of {hvd.size()}: " + "; ".join(failures)
+    if hvd.size() > 1:
+        assert differs(sparse_run(1, "broken"), sparse_run(1, "ddp"), 1e-12), \
+            "the comparison did not reject an optimizer that skips the sparse exchange"
+    assert cases == 6

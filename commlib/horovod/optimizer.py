@@ -20,7 +20,17 @@ either) hands each bucket to that commlib algorithm instead (its keyword argumen
 follow as ``**algorithm_kwargs``); algorithms that need the DDP wrapper's lifecycle
 (model averaging, decentralized, K-FAC, QAdam) are refused with ``ValueError``.
 ``op=Adasum`` on more than one rank wraps the optimizer in Horovod's delta optimizer
-(:mod:`commlib.horovod.optimizer_adasum`). Sparse gradients need ``sparse_as_dense=True``.
+(:mod:`commlib.horovod.optimizer_adasum`).
+
+Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
+exchanged as Horovod exchanges them unless ``sparse_as_dense=True``: once the parameter's
+``backward_passes_per_step`` countdown reaches zero, its (accumulated) sparse gradient goes
+through :func:`commlib.horovod.sparse_allreduce_async` under the parameter's name (an
+allgather of the indices and of the values, negotiated by name; ``Average`` divides the
+values by the set size, ``gradient_predivide_factor`` as for dense gradients), and
+``synchronize()`` sets ``.grad`` to the gathered, uncoalesced sparse tensor. The
+parameter keeps its (zero) slot in its dense bucket. ``sparse_as_dense=True`` densifies
+the gradient in the hook and exchanges it in the buckets.
 """
 from __future__ import annotations
 
@@ -107,6 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_hooks: list = []
         self._hvd_engine = None
         self._hvd_algorithm = algorithm
+        self._hvd_sparse: dict = {}   # parameter -> sparse_allreduce_async's handle
         st = state.require("DistributedOptimizer")
         if process_set.included() and (st.size > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._hvd_setup(st)
@@ -176,16 +187,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate "
                     "gradients locally.")
-            if p.grad is not None and p.grad.is_sparse:
-                if not self.sparse_as_dense:
-                    raise ValueError(
-                        f"commlib.horovod.DistributedOptimizer: parameter "
-                        f"{self._parameter_names.get(p)!r} has a sparse gradient; pass "
-                        f"sparse_as_dense=True (sparse exchange is not supported here)")
+            sparse = p.grad is not None and p.grad.is_sparse
+            if sparse and self.sparse_as_dense:
                 p.grad = p.grad.to_dense()
+                sparse = False
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] == 0:
-                self._hvd_mark_ready(p)
+                if sparse:
+                    self._hvd_sparse_launch(p)
+                else:
+                    self._hvd_mark_ready(p)
                 self._hvd_launch()
         return hook
 
@@ -194,6 +205,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _bind(p, bucket.views[i])
         self._hvd_ready.add(p)
         bucket.pending -= 1
+
+    def _hvd_sparse_launch(self, p: torch.Tensor) -> None:
+        """Start Horovod's sparse exchange of ``p.grad``; ``p``'s dense slot is left
+        out (zeros) of its bucket."""
+        from .ops import sparse_allreduce_async
+        bucket, _ = self._hvd_slots[p]
+        self._hvd_ready.add(p)
+        bucket.pending -= 1
+        grad = p.grad
+        f = self.gradient_predivide_factor
+        if self.op == Average and f != 1.0:
+            grad = torch.sparse_coo_tensor(grad._indices(), grad._values() / f, grad.shape)
+        name = "sparse." + str(self._parameter_names.get(p))
+        self._hvd_sparse[p] = (sparse_allreduce_async(grad, name=name, op=self.op,
+                                                      process_set=self.process_set), f)
 
     def _hvd_launch(self) -> None:
         buckets = self._hvd_buckets
@@ -238,9 +264,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         self._hvd_mark_ready(p)
             self._hvd_launch()
             futures, self._hvd_futures = self._hvd_futures, []
+            sparse, self._hvd_sparse = self._hvd_sparse, {}
             try:
                 for f in futures:
                     f.result()
+                for p, (handle, f) in sparse.items():
+                    g = handle()
+                    if f != 1.0:
+                        g = torch.sparse_coo_tensor(g._indices(), g._values() * f, g.shape)
+                    p.grad = g
             finally:
                 for p in self._allreduce_delay:
                     self._allreduce_delay[p] = self.backward_passes_per_step
