@@ -101,6 +101,25 @@ def shutdown() -> None:
         forget_handles()
 
 
+def abandon() -> None:
+    """Forget the Horovod world after a peer died (:mod:`commlib.horovod.elastic`): no
+    collective (its communicators failed); pending operations fail with
+    ``HorovodInternalError``; negotiation threads stop."""
+    st = state.current
+    if st is None:
+        return
+    try:
+        for ctrl in st.controllers.values():
+            ctrl.abandon()
+    finally:
+        for ps in st.process_sets.values():
+            if ps is not global_process_set:
+                ps._invalidate()
+        state.current = None
+        from .controller import forget_handles
+        forget_handles()
+
+
 def is_initialized() -> bool:
     return state.current is not None
 

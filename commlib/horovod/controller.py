@@ -299,7 +299,11 @@ class Controller:
                 with self.mutex:
                     while not self._has_work():
                         self.lock.wait()
+                if self.closed:
+                    return
                 with self._driving:   # a blocked caller may be driving the rounds
+                    if self.closed:
+                        return
                     if not self._has_work():
                         continue
                     progressed = self._round()
@@ -534,6 +538,17 @@ class Controller:
                 while not self.closed:
                     self._round()
         self._free()
+
+    def abandon(self) -> None:
+        """After a peer failure: stop without a collective; pending requests fail."""
+        self._fail_all(HorovodInternalError(f"commlib.horovod: a peer of {self.label} died"))
+        with self.mutex:
+            self.closed = True
+            self.stopping = True
+            self.lock.notify_all()
+        if self._thread is not None:
+            _shutdown.unregister(self)
+            self._thread = None   # it leaves on its own (its round fails, or it sees closed)
 
     def _free(self) -> None:
         self.closed = True

@@ -54,6 +54,7 @@ from .compression import Compression
 from .execute import WIRE, Adasum, Average, scale_
 from .names import named_parameters as _named
 from .process_sets import ProcessSet, global_process_set
+from .requests import HorovodInternalError
 
 BUCKET_BYTES = 25 << 20
 # Hooks an algorithm may override and still fit the optimizer-wrapper shape.
@@ -120,6 +121,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_sparse: dict = {}   # parameter -> sparse_allreduce_async's handle
         st = state.require("DistributedOptimizer")
         if process_set.included() and (st.size > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+            self._hvd_setup(st)
+        state.optimizers.add(self)
+
+    def _hvd_rebuild(self) -> None:
+        """hvd.elastic.run's reset: forget the failed world's buckets, hooks and exchange
+        (gradients are dropped: they may view buffers MPI can still write) and set them up
+        over the new world."""
+        if self.process_set is not global_process_set:
+            raise HorovodInternalError("commlib.horovod.elastic: a DistributedOptimizer on a "
+                                       "process set cannot go on after a reset (only the "
+                                       "global set is rebuilt)")
+        for h in self._hvd_hooks:
+            h.remove()
+        engine, self._hvd_engine = self._hvd_engine, None
+        if engine is not None:
+            try:
+                engine.close(timeout=0.5)
+            except Exception:  # noqa: BLE001 - its exchanges failed
+                pass
+        self._hvd_hooks, self._hvd_buckets, self._hvd_slots = [], [], {}
+        self._hvd_sparse, self._hvd_futures = {}, []
+        self._hvd_ready, self._hvd_next = set(), 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+        st = state.require("DistributedOptimizer")
+        if st.size > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             self._hvd_setup(st)
 
     # -- setup --------------------------------------------------------------------------

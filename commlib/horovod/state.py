@@ -1,6 +1,7 @@
 """The Horovod front-end's process-wide state between ``init()`` and ``shutdown()``."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 
@@ -30,3 +31,14 @@ def require(what: str) -> State:
         raise ValueError(f"Horovod has not been initialized; use hvd.init() (before "
                          f"commlib.horovod.{what}).")
     return current
+
+
+#: Every DistributedOptimizer made (rebuilt over the survivors by hvd.elastic.run).
+optimizers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def rebuild_optimizers() -> None:
+    """After an elastic reset: every live DistributedOptimizer rebuilds its exchange over
+    the new Horovod world."""
+    for opt in list(optimizers):
+        opt._hvd_rebuild()
