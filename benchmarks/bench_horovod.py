@@ -17,6 +17,8 @@ Two measurements, both at 2 and 4 ranks by default:
         --horovod-python /work/hvdvenv/bin/python      # real Horovod's venv, optional
     python benchmarks/bench_horovod.py --old-tree /tmp/old   # also an older commlib checkout
     python benchmarks/bench_horovod.py --latency --ranks 2 4 --reps 3   # latency only
+    python benchmarks/bench_horovod.py --rate 1000 --algorithm bytegrad --no-ddp \
+        --ranks 2 4 --horovod-python /work/hvdvenv/bin/python   # emulated 1 Gbit/s links
 
 Figures are medians over repetitions; every job is launched by this driver (no mpiexec
 around it).
@@ -24,6 +26,7 @@ around it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -75,7 +78,13 @@ def worker(args: argparse.Namespace) -> None:
     opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     steps["horovod" if args.worker == "horovod" else "commlib.horovod"] = step_of(m, opt)
-    if args.worker == "commlib":
+    for alg in (args.algorithm if args.worker == "commlib" else []):
+        ma = small_cnn(args.width)
+        opta = hvd.DistributedOptimizer(sgd(ma), named_parameters=ma.named_parameters(),
+                                        algorithm=alg)
+        hvd.broadcast_parameters(ma.state_dict(), root_rank=0)
+        steps[f"commlib.horovod algorithm={alg}"] = step_of(ma, opta)
+    if args.worker == "commlib" and not args.no_ddp:
         import commlib
         ddp = commlib.DistributedDataParallel(small_cnn(args.width))
         steps["commlib DDP"] = step_of(ddp, sgd(ddp))
@@ -195,17 +204,24 @@ def latency_main(args: argparse.Namespace, jobs: list) -> int:
 
 
 # -- the driver --------------------------------------------------------------------------
-def launch(python: str, n: int, kind: str, args: argparse.Namespace, tree: str) -> dict:
+def launch(python: str, n: int, kind: str, args: argparse.Namespace, tree: str,
+           cluster=None) -> dict:
     mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", str(n), python, os.path.abspath(__file__), "--worker", kind,
+    # on an emulated cluster (--rate): its mpiexec line (both venvs carry mpich 5.0.2)
+    head = cluster.prefix() if cluster is not None else [mpiexec, "-n", str(n)]
+    cmd = head + [python, os.path.abspath(__file__), "--worker", kind,
            "--batch-size", str(args.batch_size), "--width", str(args.width),
            "--warmup", str(args.warmup), "--iters", str(args.iters),
            "--batches-per-iter", str(args.batches_per_iter),
            "--latency-reps", str(args.latency_reps),
-           "--latency-floats", str(args.latency_floats)] + (["--latency"] if args.latency else [])
+           "--latency-floats", str(args.latency_floats)] + (["--latency"] if args.latency else []) \
+        + [x for alg in args.algorithm for x in ("--algorithm", alg)] \
+        + (["--no-ddp"] if args.no_ddp else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+    if cluster is not None:
+        env.update(cluster.env)
     env["PYTHONPATH"] = tree
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if out.returncode:
@@ -234,6 +250,15 @@ def main(argv=None) -> int:
                    help="only the small-allreduce latency (hvd.allreduce vs commlib.allreduce "
                         "in one job, wall and thread-CPU medians)")
     p.add_argument("--latency-floats", type=int, default=4)
+    p.add_argument("--algorithm", action="append", default=[],
+                   help="also train commlib.horovod with DistributedOptimizer(algorithm=A) "
+                        "(repeatable; e.g. bytegrad)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="run every job on an emulated two-tier cluster (benchmarks/netsim.py) "
+                        "with links of RATE Mbit/s, --ranks-per-node ranks per node")
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--no-ddp", action="store_true",
+                   help="leave commlib's DDP and torch DDP out of the commlib jobs")
     p.add_argument("--worker", choices=["commlib", "horovod"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -249,10 +274,22 @@ def main(argv=None) -> int:
     print(f"# load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for n in args.ranks:
         results: dict = {}
-        for rep in range(args.reps):
-            for kind, python, tree, tag in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
-                for (key, name), v in launch(python, n, kind, args, tree).items():
-                    results.setdefault((key, name + tag), []).append(v)
+        with contextlib.ExitStack() as stack:
+            cluster = None
+            if args.rate is not None:
+                sys.path.insert(0, HERE)
+                import netsim
+                if n % args.ranks_per_node:
+                    raise SystemExit(f"--ranks {n} is not a multiple of --ranks-per-node")
+                cluster = stack.enter_context(netsim.two_tier(
+                    nodes=n // args.ranks_per_node, ranks_per_node=args.ranks_per_node,
+                    rate_mbit=args.rate))
+                print(f"# {n} ranks on an emulated cluster: {cluster.why or 'shaped'}; "
+                      f"{cluster.measure_bandwidth() if cluster.shaped else 'not shaped'}")
+            for rep in range(args.reps):
+                for kind, python, tree, tag in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
+                    for (key, name), v in launch(python, n, kind, args, tree, cluster).items():
+                        results.setdefault((key, name + tag), []).append(v)
         img = {name: statistics.median(v) for (k, name), v in results.items() if k == "IMG_S"}
         lat = {name: statistics.median(v) for (k, name), v in results.items() if k == "LAT_US"}
         ref = img.get("horovod")
