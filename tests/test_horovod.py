@@ -384,8 +384,24 @@ def test_basics():
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     c, ctx = hvd.Compression.fp16.compress(torch.ones(2, dtype=torch.float64))
     assert c.dtype == torch.float16 and hvd.Compression.fp16.decompress(c, ctx).dtype == torch.float64
-    with pytest.raises(NotImplementedError, match="issue 21"):
-        hvd.elastic.TorchState()
+    # ElasticSampler (Horovod 0.28.1): the epoch's permutation less the processed samples,
+    # padded to a multiple of the size, dealt rank::size
+    import random
+    n, me = hvd.size(), hvd.rank()
+    sampler = hvd.elastic.ElasticSampler(list(range(11)), shuffle=True, seed=5)
+    sampler.set_epoch(2)
+    sampler.record_batch(0, 2)
+    assert sampler.state_dict() == {"epoch": 2, "processed_num": 2 * n}
+    perm = list(range(11))
+    random.Random(7).shuffle(perm)
+    rest = perm[2 * n:]
+    rest += rest[:(-len(rest)) % n]   # padded to a multiple of n with its first samples
+    assert len(list(sampler)) == -(-11 // n), "record_batch re-dealt before a reset"
+    sampler.reset()   # (TorchState's restore and sync do it)
+    assert list(sampler) == rest[me::n] and len(sampler) == len(rest) // n
+    twin = hvd.elastic.ElasticSampler(list(range(11)), shuffle=True, seed=5)
+    twin.load_state_dict(sampler.state_dict())
+    assert list(twin) == list(sampler)
     from commlib.horovod.run import command
     cmd = command(["-np", "4", "-H", "a:2,b:2", "python", "train.py", "--lr", "1"])
     assert cmd[1:] == ["-n", "4", "-hosts", "a:2,b:2", "python", "train.py", "--lr", "1"]
