@@ -218,9 +218,11 @@ class Controller:
                 k = self.counters.get(kind, 0)
                 self.counters[kind] = k + 1
                 name = f"allreduce.noname.{k}"
-            elif name.__class__ is not str:
-                name = str(name)
-            cid = self.my_cache.get((name, meta))
+                cid = None   # automatic names are never cached
+            else:
+                if name.__class__ is not str:
+                    name = str(name)
+                cid = self.my_cache.get((name, meta))
             data = (tensor.detach() if tensor.requires_grad else tensor).numpy().tobytes()
             if cid is None:
                 ann = wire.announcement(name, mb)
