@@ -96,6 +96,8 @@ from cost_model_formulas import (MODELLED, PEER, SYNC, WIRE, Cluster, Tier,  # n
                                  bytes_ratio, comm_time)
 from cost_model_validate import (_load, calibrate, cluster_of,  # noqa: E402,F401
                                  model_bytes, row_comm, validate, validate_bytes)
+from cost_model_report import emulated_recommendation  # noqa: E402
+from cost_model_report import markdown as report_markdown  # noqa: E402
 from cost_model_scale import (GPT, SCALE, contender_args, plot,  # noqa: E402,F401
                               predict, recommend, steps_ratio)
 
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                         "resnet50, 0.01 for gpt)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--markdown", default=None,
+                   help="also write the validation, the bytes check and the recommendation "
+                        "tables (emulated cluster and at scale) as Markdown")
     args = p.parse_args(argv)
     unshaped = _load(args.calibrate.split(","), shaped=False) if args.calibrate else {}
     shaped = _load(args.validate.split(","), shaped=True)
@@ -155,8 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.compute_s is not None:
         scale["compute_s"] = args.compute_s
     ratios = steps_ratio(shaped, model)
-    rows = predict(ratios, scale, contender_args(
-        {k: v for k, v in shaped.items() if v["model"] == model}))
+    used = contender_args({k: v for k, v in shaped.items() if v["model"] == model})
+    if args.workload == "gpt":   # PowerSGD's ratio of a run of another size does not apply
+        sizes: dict[str, int] = {}   # the panel contender_args took each one from
+        for p in shaped.values():
+            if p["model"] == "gpt":
+                for n, r in p["runs"][0]["contenders"].items():
+                    sizes.setdefault(n, r["params"])
+        for name, a in used.items():
+            if sizes.get(name) != scale["model_bytes"] / 4:
+                a["psgd_ratio"] = None
+    rows = predict(ratios, scale, used)
     best = recommend(rows)
     print(f"predictions for {args.workload}: S = {scale['model_bytes'] / 1e6:.2f} MB fp32, "
           f"{scale['compute_s'] * 1e3:.0f} ms compute per step (ASSUMED); steps to target "
@@ -182,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "predictions": rows, "recommendation": best})
     if args.plot:
         plot(rows, args.plot)
+    if args.markdown:
+        emulated = emulated_recommendation(shaped, unshaped, base)
+        with open(args.markdown, "w") as fh:
+            fh.write(report_markdown(checks, byte_checks, emulated, best, scale))
+        print(f"markdown: {args.markdown}")
     return 0
 
 
