@@ -42,7 +42,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common as C  # noqa: E402
-from bench_time_to_accuracy_contenders import CONTENDERS, CONTROL, DESIGN, PEER, SYNC  # noqa: E402
+from bench_time_to_accuracy_contenders import (CONTENDERS, CONTROL,  # noqa: E402
+                                               DEFAULT_ALGORITHMS, DESIGN, PEER, SYNC,
+                                               parse_set)
 from bench_time_to_accuracy_report import (headline_markdown, markdown, plot,  # noqa: E402
                                            report, score, summarize)
 from bench_time_to_accuracy_worker import worker  # noqa: E402
@@ -94,6 +96,8 @@ def run_job(args: argparse.Namespace, nodes: int, per: int, rate: float, model: 
             "--gpt-lr", str(args.gpt_lr), "--gpt-eval-windows", str(args.gpt_eval_windows)]
     if args.gpt_bytes:
         argv += ["--gpt-bytes", str(args.gpt_bytes)]
+    for item in args.set:
+        argv += ["--set", item]
     started = time.perf_counter()
     code, info = launch(nodes, per, rate, args.delay_ms, argv, args.timeout)
     if code != 0:
@@ -115,7 +119,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         "config": {k: getattr(args, k) for k in ("epochs", "batch", "lr", "width",
                                                   "eval_every", "delay_ms", "algorithms",
                                                   "gpt_size", "gpt_steps_per_epoch",
-                                                  "gpt_lr", "gpt_bytes", "loss_tolerance")},
+                                                  "gpt_lr", "gpt_bytes", "loss_tolerance",
+                                                  "gpt_eval_windows", "set")},
         "target_rule": f"final worst-replica accuracy of {SYNC} (flat) at the same shape, "
                        f"model and seed, minus {args.tolerance * 100:g} pp (gpt: its final "
                        f"worst-replica validation loss plus {args.loss_tolerance * 100:g} %)",
@@ -182,7 +187,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=0.5)
     p.add_argument("--models", default="cnn,mlp")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--algorithms", default=",".join(CONTENDERS))
+    p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS))
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--batch", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="SGD rate; Adam-family: lr / 10")
@@ -198,6 +203,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpt-lr", type=float, default=3e-3, help="AdamW rate (qadam: / 10)")
     p.add_argument("--gpt-bytes", type=int, default=None, help="cut the corpus' sides")
     p.add_argument("--gpt-eval-windows", type=int, default=32)
+    p.add_argument("--set", action="append", default=[], metavar="NAME.KEY=JSON",
+                   help="override one argument of one contender (repeatable), e.g. "
+                        "diloco.sync_every=4")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -209,6 +217,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for item in args.set:
+        try:
+            parse_set(item)
+        except ValueError as exc:
+            p.error(str(exc))
     for name in args.algorithms.split(","):
         if name not in CONTENDERS:
             p.error(f"--algorithms: unknown contender {name!r} (known: {', '.join(CONTENDERS)})")

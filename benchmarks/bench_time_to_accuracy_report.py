@@ -20,9 +20,12 @@ def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
 
 
 def steady_bus_per_sample(r: dict[str, Any]) -> float:
-    """Wire bytes per sample after the first epoch (qadam's warm-up is one epoch)."""
+    """Wire bytes per sample after the first epoch (qadam's warm-up is one epoch), or
+    after the contender's own ``warmup_steps`` where they are longer."""
     curve = r["curve"]
-    start = next((p for p in curve if p["step"] >= r["steps_per_epoch"]), curve[0])
+    warm = (r.get("kwargs") or {}).get("warmup_steps")
+    first = max(r["steps_per_epoch"], warm if isinstance(warm, int) else 0)
+    start = next((p for p in curve if p["step"] >= first), curve[0])
     end = curve[-1]
     samples = end["samples_rank0"] - start["samples_rank0"]
     return (end["bus_bytes_rank0"] - start["bus_bytes_rank0"]) / samples if samples else 0.0

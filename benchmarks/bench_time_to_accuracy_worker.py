@@ -181,7 +181,7 @@ def _make(name: str, args: argparse.Namespace, module: Any, kwargs: dict) -> tup
     """(the model to train, the commlib wrapper or None) for contender ``name``."""
     import torch
     import commlib
-    algorithm = contender(name, args.model)[0]
+    algorithm = contender(name, args.model, args.set)[0]
     if algorithm is not None:
         ddp = commlib.DistributedDataParallel(module, algorithm=algorithm, **kwargs)
         return ddp, ddp
@@ -210,7 +210,7 @@ def warm_up(name: str, args: argparse.Namespace, data: "Data") -> None:
     """Three untimed steps of ``name`` on a throwaway model: JIT-compiled kernels, gloo's
     connections and workspaces are made here, not inside the timed run."""
     import commlib
-    algorithm, kwargs, opt_kind = contender(name, args.model)
+    algorithm, kwargs, opt_kind = contender(name, args.model, args.set)
     kwargs = {k: (2 if v == "epoch" else v) for k, v in kwargs.items()}
     model, ddp = _make(name, args, build_model(args.model, args.width), kwargs)
     opt = _optimizer(opt_kind, args, model, data)
@@ -234,7 +234,7 @@ def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
     from commlib import accounting
 
     n = commlib.get_world_size()
-    algorithm, kwargs, opt_kind = contender(name, args.model)
+    algorithm, kwargs, opt_kind = contender(name, args.model, args.set)
     steps_per_epoch = data.steps_per_epoch
     total_steps = steps_per_epoch * args.epochs
     kwargs = {k: (steps_per_epoch if v == "epoch" else v) for k, v in kwargs.items()}

@@ -196,9 +196,11 @@ def comm_time(name: str, c: Cluster, nbytes: float, warm_fraction: float = 0.0,
     if name == "local_sgd":
         return allreduce_rhd(c, nbytes) / a["sync_every"]
     if name == "async_model_average":   # beside training; in steps: behind the next one
-        if not a.get("sync_every_steps"):
-            return 0.0
-        return max(0.0, allreduce_rhd(c, nbytes) - compute_s) / a["sync_every_steps"]
+        # (its warmup_steps: gradient allreduces, as synchronous training)
+        steady = 0.0
+        if a.get("sync_every_steps"):
+            steady = max(0.0, allreduce_rhd(c, nbytes) - compute_s) / a["sync_every_steps"]
+        return warm_fraction * allreduce_rhd(c, nbytes) + (1 - warm_fraction) * steady
     if name == PEER:
         return ring(c, nbytes)
     if name == CONTROL:

@@ -36,6 +36,8 @@ def model_bytes(run: dict[str, Any]) -> float:
 
 def warm_fraction(row: dict[str, Any]) -> float:
     kw = row.get("kwargs", {})
+    if row.get("algorithm") == "async_model_average":
+        return min(1.0, kw.get("warmup_steps", 0) / row["steps"])
     if row.get("algorithm") == "qadam":
         return min(1.0, kw.get("warmup_steps", 0) / row["steps"])
     if row.get("algorithm") == "powersgd":

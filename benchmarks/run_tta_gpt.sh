@@ -13,12 +13,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-SIZE=${SIZE:-mini}                 # gpt.py's MINI: 64 wide, 2 layers, context 32
-EPOCHS=${EPOCHS:-10}
-STEPS_PER_EPOCH=${STEPS_PER_EPOCH:-30}
+SIZE=${SIZE:-tiny}                 # gpt.py's TINY: 35 k parameters, context 32
+EPOCHS=${EPOCHS:-10}               # 360 steps
+STEPS_PER_EPOCH=${STEPS_PER_EPOCH:-36}
 BATCH=${BATCH:-8}                  # windows per rank and step
 LR=${LR:-3e-3}
-EVAL_EVERY=${EVAL_EVERY:-10}
+EVAL_EVERY=${EVAL_EVERY:-12}
+EVAL_WINDOWS=${EVAL_WINDOWS:-256}
 SHAPES=${SHAPES:-2x2,4x1}
 RATES=${RATES:-1000,100}
 EXTRA_RATES=${EXTRA_RATES-10000}   # seed 0, only if the budget still allows
@@ -41,5 +42,5 @@ exec flock /tmp/commlib-bench.lock "$PYTHON" benchmarks/bench_time_to_accuracy_g
     --budget-min "$BUDGET_MIN" --shapes "$SHAPES" --rates "$RATES" \
     --extra-rates "$EXTRA_RATES" --seeds "$SEEDS" --out "$OUT" ${README:+--readme "$README"} \
     -- --gpt-size "$SIZE" --epochs "$EPOCHS" --gpt-steps-per-epoch "$STEPS_PER_EPOCH" \
-    --batch "$BATCH" --gpt-lr "$LR" --eval-every "$EVAL_EVERY" --algorithms "$ALGORITHMS" \
+    --batch "$BATCH" --gpt-lr "$LR" --eval-every "$EVAL_EVERY" --gpt-eval-windows "$EVAL_WINDOWS" --algorithms "$ALGORITHMS" \
     --timeout 900

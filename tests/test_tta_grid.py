@@ -76,7 +76,12 @@ def test_headline_and_cost_model_markdown_come_from_the_runs(tmp_path):
 
 
 def test_async_model_average_in_steps_on_the_gpt():
-    assert contender("async_model_average", "gpt")[1] == {"sync_every_steps": 4}
+    assert contender("async_model_average", "gpt")[1] == {"sync_every_steps": 4,
+                                                          "warmup_steps": 72}
+    assert contender("powersgd", "gpt", ["powersgd.rank=2"])[1]["rank"] == 2
+    assert contender("powersgd", "mlp", ["diloco.sync_every=2"])[1]["rank"] == 4
+    with pytest.raises(ValueError, match="--set"):
+        contender("powersgd", "gpt", ["powersgd.rank"])
     assert contender("async_model_average", "mlp")[1] == {"sync_interval_ms": 50}
     assert design("async_model_average", {"sync_every_steps": 4}) == 0.25
     assert design("async_model_average", {"sync_interval_ms": 50}) is None
