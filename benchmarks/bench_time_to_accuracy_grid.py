@@ -47,7 +47,7 @@ def jobs(shapes: list[str], rates: list[float], seeds: list[int], calibrate: boo
 
 
 def run_grid(args: argparse.Namespace, bench_args: list[str]) -> dict:
-    parts = os.path.join(args.out, "tta_gpt_parts")
+    parts = os.path.join(os.path.abspath(args.out), "tta_gpt_parts")
     os.makedirs(parts, exist_ok=True)
     budget = args.budget_min * 60
     started = time.monotonic()

@@ -75,6 +75,9 @@ def validate_bytes(panels: dict[str, Any]) -> list[dict[str, Any]]:
             model = bytes_ratio(name, row.get("kwargs"), row.get("design_bus_ratio"))
             if model is None or name == SYNC or not row.get("bytes_counted", True):
                 continue
+            warm = (row.get("kwargs") or {}).get("warmup_steps")
+            if isinstance(warm, int) and warm >= row["steps"]:   # no steady phase ran
+                continue
             measured = statistics.median(
                 r["contenders"][name]["steady_bus_bytes_per_sample"]
                 / r["contenders"][SYNC]["steady_bus_bytes_per_sample"] for r in runs)

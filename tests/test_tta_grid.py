@@ -100,3 +100,22 @@ def test_splice_replaces_only_between_the_markers(tmp_path):
     bare.write_text("no markers\n")
     with pytest.raises(SystemExit):
         G.splice(str(bare), "x")
+
+
+def test_grid_skips_what_the_budget_cannot_hold(tmp_path, monkeypatch):
+    """Jobs are real processes (a stand-in script that only takes its time): the first
+    always runs, a later one starts only if the longest so far still fits."""
+    job = tmp_path / "job.py"
+    job.write_text("import sys, time\ntime.sleep(0.4)\nsys.exit('4x1' in sys.argv)\n")
+    monkeypatch.setattr(G, "BENCH", str(job))
+    args = G.argparse.Namespace(out=str(tmp_path), budget_min=1.0 / 60, margin=1.1,
+                                shapes="2x2,4x1", rates="1000", seeds="0,1",
+                                no_calibrate=True, extra_rates="", verbose=False)
+    grid = G.run_grid(args, [])
+    ran = [(j["shape"], j["seed"]) for j in grid["done"] + grid["failed"]]
+    assert ran[0] == ("2x2", 0) and len(ran) < 4, grid
+    assert len(ran) + len(grid["skipped"]) == 4, grid
+    assert all(j["shape"] == "4x1" for j in grid["failed"]), grid   # a failed job is listed
+    generous = G.argparse.Namespace(**{**vars(args), "budget_min": 10.0})
+    again = G.run_grid(generous, [])
+    assert not again["skipped"] and len(again["done"]) == 2 and len(again["failed"]) == 2
