@@ -6,7 +6,9 @@ bytes per step against the allreduce baseline, and step time against torch's
 
 Stages, all fp32 Adam (K = 8 bytes of state per parameter) on the same WideMLP:
   0  commlib.DistributedDataParallel + torch.optim.Adam
-  1  commlib.DistributedDataParallel + commlib.ZeroRedundancyOptimizer(Adam)
+  1  commlib.DistributedDataParallel + commlib.ZeroRedundancyOptimizer(Adam), and
+     commlib.ZeroRedundancyOptimizer(Adam, reduce_gradients=True) without DDP (gradients
+     reduce-scattered in buckets during backward: allreduce's bytes)
   2  commlib.FullyShardedDataParallel(SHARD_GRAD_OP) + Adam over the shards
   3  commlib.FullyShardedDataParallel(FULL_SHARD) + Adam over the shards
 Peers: torch DDP + torch ZeroRedundancyOptimizer (stage 1), torch fully_shard with
@@ -93,8 +95,17 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
         "optim": optim_state(o)}))
     m = commlib.DistributedDataParallel(model())
     o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
-    out.append(Contender("commlib ZeRO-1", 1, m, o, lambda m=m, o=o: {
+    out.append(Contender("commlib DDP+ZeRO-1", 1, m, o, lambda m=m, o=o: {
         "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
+        "optim": optim_state(o.optim)}))
+    # stage 1 at allreduce's bytes: no DDP, bucketed reduce-scatter in backward (the local
+    # flats of values and gradients, 2 x psi/N, counted with params and grads)
+    m = model()
+    o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4,
+                                        reduce_gradients=True)
+    out.append(Contender("commlib ZeRO-1 reduce_gradients", 1, m, o, lambda m=m, o=o: {
+        "params": nbytes(list(m.parameters()) + o._values),
+        "grads": nbytes([p.grad for p in m.parameters()] + o._grads),
         "optim": optim_state(o.optim)}))
     for stage, strategy in ((2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")):
         m = commlib.FullyShardedDataParallel(model(), strategy, chunk_size_mb=args.chunk_mb)
