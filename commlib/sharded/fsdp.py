@@ -48,7 +48,7 @@ from . import nesting
 from . import state as _state
 from .chunks import Chunk, detach_parameters, owned_chunks, plan, scope
 from .groups import resolve_group
-from .quantized import DEFAULT_BLOCK, node_group, quantization_blocks
+from .quantized import DEFAULT_BLOCK, Hierarchy, node_group, quantization_blocks
 from .stream import FULLS, ChunkSchedule
 
 class ShardingStrategy(str, enum.Enum):
@@ -113,9 +113,13 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     block. ``weight_quantization="int8"`` (qwZ, FULL_SHARD only): every gather of a chunk
     (forward and backward) sends the shard quantized; every rank decodes the same values,
     so the replicas compute with identical weights (state dicts stay exact).
-    ``gradient_quantization="int8"`` (qgZ, FULL_SHARD or SHARD_GRAD_OP): a chunk's
-    gradient is reduce-scattered through one ``alltoall`` of quantized parts, decoded and
-    summed in float64. ``secondary_shard="node"`` (hpZ, FULL_SHARD only): each forward
+    ``gradient_quantization="int8"`` or ``"int4"`` (qgZ, FULL_SHARD or SHARD_GRAD_OP; int4:
+    15 levels, two codes a byte, within ``(max - min) / 30``, an even block size): a
+    chunk's gradient is reduce-scattered through one ``alltoall`` of quantized parts,
+    decoded and summed in float64; with ``gradient_hierarchy="node"`` (ZeRO++'s
+    hierarchical qgZ) the parts are first reduced inside the node in full precision
+    (``reduce_scatter``), then only the node sums cross nodes, quantized (``k`` parts a
+    rank for ``k`` nodes instead of ``n``; nodes as for ``secondary_shard``). ``secondary_shard="node"`` (hpZ, FULL_SHARD only): each forward
     gather also leaves this rank its ``1/m`` slice of the chunk among the ``m`` ranks of
     its node (``COMMLIB_LOCAL_SIZE`` blocks, else the host; nodes of equal size), so the
     backward re-gathers run inside the node only, on exactly the forward's values; costs
@@ -134,7 +138,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                  sync_module_states: bool = True, weight_quantization: str | None = None,
                  gradient_quantization: str | None = None,
                  quantization_block_size: int = DEFAULT_BLOCK,
-                 secondary_shard: str | None = None) -> None:
+                 secondary_shard: str | None = None,
+                 gradient_hierarchy: str | None = None) -> None:
         super().__init__()
         self._closed = True   # until the communicators exist
         rank = runtime.get_rank()
@@ -154,9 +159,11 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                              f"'chunk_size_mb' must be > 0, got {chunk_size_mb!r}")
         self._weight_block, self._grad_block = quantization_blocks(
             self.sharding_strategy.value, weight_quantization, gradient_quantization,
-            quantization_block_size, rank)
+            quantization_block_size, rank, gradient_hierarchy)
         self.weight_quantization, self.gradient_quantization = (weight_quantization,
                                                                 gradient_quantization)
+        self.gradient_hierarchy = gradient_hierarchy
+        self._hierarchy = None
         if secondary_shard not in (None, "node"):
             raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
                              f"'secondary_shard' must be None or 'node', got "
@@ -190,6 +197,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         try:
             if secondary_shard:
                 self._node_group = node_group(self.process_group)
+            if gradient_hierarchy:
+                self._hierarchy = Hierarchy(self._reduce_group)
             self._agree(nesting.refusal(inside, nested, self.process_group.ranks))
             self._setup(inside, nested, param_groups, param_dtype, buffer_dtype,
                         chunk_size_mb, sync_module_states)
@@ -199,6 +208,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             self._reduce_group.free()
             if self._node_group is not None:
                 self._node_group.free()
+            if self._hierarchy is not None:
+                self._hierarchy.free()
             raise
 
     def _agree(self, refusal: str | None) -> None:
@@ -464,6 +475,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         self._reduce_group.free()
         if self._node_group is not None:
             self._node_group.free()
+        if self._hierarchy is not None:
+            self._hierarchy.free()
 
     def __del__(self) -> None:
         try:
@@ -474,7 +487,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     def extra_repr(self) -> str:
         quant = "".join(f", {k}={v!r}" for k, v in (
             ("weight_quantization", self.weight_quantization),
-            ("gradient_quantization", self.gradient_quantization)) if v)
+            ("gradient_quantization", self.gradient_quantization),
+            ("gradient_hierarchy", self.gradient_hierarchy)) if v)
         return (f"sharding_strategy={self.sharding_strategy.value}, chunks={len(self._chunks)}, "
                 f"rank={self.rank}, world_size={self.world_size}{quant}")
 

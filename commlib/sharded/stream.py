@@ -15,7 +15,7 @@ from torch import nn
 from ..primitives import allgather, allreduce, reduce_scatter
 from ..reduce_ops import ReduceOp
 from .chunks import Chunk
-from .quantized import quantized_reduce_scatter, start_allgather
+from .quantized import hierarchical_reduce_scatter, quantized_reduce_scatter, start_allgather
 
 # id(chunk.full) -> chunk, for every live wrapper: a saved-tensor hook of any wrapper
 # (nested forwards) recognizes any wrapper's parameters
@@ -257,8 +257,13 @@ class ChunkSchedule:
             return allreduce(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
         if self._grad_block and grad.is_floating_point():
             # qgZ: quantized parts through one alltoall, decoded and summed in float64
+            # (hierarchical: reduced inside the node first, in full precision)
+            if self._hierarchy is not None:
+                return hierarchical_reduce_scatter(grad.reshape(-1), self._hierarchy,
+                                                   self._grad_block,
+                                                   bits=self.gradient_quantization)
             return quantized_reduce_scatter(grad.reshape(-1), self._reduce_group,
-                                            self._grad_block)
+                                            self._grad_block, bits=self.gradient_quantization)
         return reduce_scatter(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
 
     def _end_backward(self) -> None:
