@@ -55,7 +55,7 @@ def wrap(name, seed=3):
 
 
 def batch(step):
-    rank, n = commlib.get_rank(), commlib.get_world_size()
+    rank = commlib.get_rank()
     g = torch.Generator().manual_seed(3000 + 100 * step + rank)
     return torch.randn(3, 10, generator=g, dtype=torch.float64), \
         torch.randint(0, 4, (3,), generator=g)
