@@ -3,6 +3,7 @@ bytes per step against the allreduce baseline, and step time against torch's
 ``ZeroRedundancyOptimizer`` and torch FSDP2 (``fully_shard``) over gloo, in one mpiexec job.
 
     mpiexec -n 2 python benchmarks/bench_zero.py [--width 512 --depth 4 --json out.json]
+    mpiexec -n 4 python benchmarks/bench_zero.py --breakdown --steps 20   # where time goes
 
 Stages, all fp32 Adam (K = 8 bytes of state per parameter) on the same WideMLP:
   0  commlib.DistributedDataParallel + torch.optim.Adam
@@ -177,6 +178,10 @@ def main() -> None:
                     help="per-rank memory budget for the largest-model column")
     ap.add_argument("--peers", default="torch", help="'torch' or 'none'")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the step-time breakdown of each contender (phases, waits, "
+                         "hooks, copies, optimizer, MPI; see bench_zero_breakdown.py), "
+                         "--steps steps after --warmup")
     ap.add_argument("--zeropp", action="store_true",
                     help="only the ZeRO++ table: FULL_SHARD's bytes per step against "
                          "weight_quantization / gradient_quantization / secondary_shard "
@@ -189,6 +194,19 @@ def main() -> None:
     y = torch.randint(0, 10, (args.batch,), generator=g)
     if args.zeropp:
         return zeropp(args, x, y)
+    if args.breakdown:
+        import bench_zero_breakdown as B
+        results = B.run(lambda: contenders(args), x, y, args.warmup, args.steps)
+        if rank == 0:
+            print(f"\nStep-time breakdown, WideMLP d_in={args.d_in} width={args.width} "
+                  f"depth={args.depth}, Adam, {n} ranks, batch {args.batch}/rank, chunks "
+                  f"{args.chunk_mb} MiB: ms per step, mean over {args.steps} steps and the "
+                  f"ranks\n")
+            print(B.table(results))
+            if args.json:
+                C.write_json(args.json, {"env": C.environment(n), "args": vars(args),
+                                         "breakdown_ms": results})
+        return
     runs = contenders(args)
     psi = sum(p.numel() for p in WideMLP(args.d_in, args.width, args.depth).parameters())
     bus: dict[str, float] = {}
