@@ -59,3 +59,19 @@ def torch_groups():
 def commlib_pg(torch_groups):
     """The commlib process group of :func:`torch_groups`."""
     return torch_groups[0]
+
+
+def pytest_runtest_logreport(report):
+    """In a multi-rank run, a failure's report goes to stderr at once, naming the rank: pytest
+    prints failures only at the end of the session, and a job that a failure leaves stuck
+    (a peer waiting in a collective) ends by the watchdog's abort, which takes the report
+    with it."""
+    if not report.failed or "mpi4py.MPI" not in sys.modules:
+        return
+    comm = sys.modules["mpi4py.MPI"].COMM_WORLD
+    if comm.Get_size() < 2:
+        return
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    sys.stderr.write(f"\n[rank {comm.Get_rank()} of {comm.Get_size()}] FAILED {report.nodeid} "
+                     f"({report.when}):\n{text[-6000:]}\n")
+    sys.stderr.flush()
