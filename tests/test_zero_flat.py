@@ -18,6 +18,8 @@ One job, float64, a model of 353 trainable elements (odd, not a multiple of 3 or
   summing to 353 over the ranks;
 * negative control: one bucket never reduced (each rank keeps its own local gradient for
   its part) must fail the same parity check;
+* clip_grad_norm_ (global norm over the averaged shards) equals torch's clip_grad_norm_
+  on the DDP replica (norm and parameters, 1e-10, every step clipping);
 * resume: the state consolidated mid-training and loaded into a fresh optimizer (same
   world size) continues bitwise as the uninterrupted run, and equals the torch
   optimizer's state.
@@ -204,3 +206,32 @@ def test_resume_mid_training_continues_exactly(one_thread_per_rank):
         assert torch.equal(flat(model.parameters()), flat(twin.parameters())), step
     opt.close()
     opt2.close()
+
+
+@pytest.mark.mpi
+def test_clip_grad_norm_matches_torch(one_thread_per_rank):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    cls, kw, _ = OPTIMIZERS["adam"]
+    world = gloo_world()
+    model = make()
+    opt = ours(model, "adam")
+    ref = TorchDDP(make(), process_group=world)
+    ref_opt = cls(ref.parameters(), **kw)
+    history = []
+    for step in range(3):
+        x, y = local_batch(step)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        norm = opt.clip_grad_norm_(0.05)
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert float(expected) > 0.05, "the reference did not clip: the check is void"
+        assert abs(float(norm) - float(expected)) <= TOL * float(expected), (step, norm,
+                                                                            expected)
+        ref_opt.step()
+        history.append(replica_errors(flat(model.parameters()),
+                                      flat(ref.module.parameters())))
+    opt.close()
+    assert verdict(history) is None, verdict(history)

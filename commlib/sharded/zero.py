@@ -27,7 +27,7 @@ import torch
 
 from .. import runtime
 from ..ddp.engine import Engine
-from ..primitives import allgather, broadcast, gather, new_group, reduce_scatter
+from ..primitives import allgather, allreduce, broadcast, gather, new_group, reduce_scatter
 from ..reduce_ops import ReduceOp
 from . import flat_partition as fp
 from . import zero_state
@@ -258,6 +258,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _drain(self) -> None:
         """Wait for the exchanges under way and forget them (a new round starts)."""
+        self._grads_ready = False
         futures = self._futures
         self._futures = []
         for f in futures:
@@ -267,6 +268,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync or self._closed:
             return
+        self._grads_ready = False
         if id(p) in self._seen:        # another backward before step(): exchange again
             self._drain()
         self._seen.add(id(p))
@@ -326,24 +328,63 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._check_open("step")
         loss = None
         if closure is not None:
+            self._grads_ready = False   # the closure computes them anew
             with torch.enable_grad():
                 loss = closure()
+        self._exchange()
         with torch.no_grad():
             for k in range(len(self._kinds)):
                 fp.copy_in(self._local_pieces[k], self._values[k], grads=False)
-            if self.reduce_gradients:
-                self._reduce_gradients()
-            else:
-                for k in range(len(self._kinds)):
-                    fp.copy_in(self._local_pieces[k], self._grads[k], grads=True)
         for shards, grads in zip(self._mine, self._shard_grads):
             for shard, grad in zip(shards, grads):
                 shard.grad = grad
+        self._grads_ready = False
         self._sync_to_local()
         self.optim.step()
         self._sync_from_local()
         self._gather_parameters()
         return loss
+
+    @torch.no_grad()
+    def _exchange(self) -> None:
+        """This step's averaged gradients in the local flats (once: ``clip_grad_norm_``
+        and ``step`` share them)."""
+        if getattr(self, "_grads_ready", False):
+            return
+        if self.reduce_gradients:
+            self._reduce_gradients()
+        else:
+            for k in range(len(self._kinds)):
+                fp.copy_in(self._local_pieces[k], self._grads[k], grads=True)
+        self._grads_ready = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the averaged gradients so that their global norm (every partitioned
+        parameter's elements once, over all ranks' shards) is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` over the averaged ``.grad`` of a replica would.
+        Call after backward, before :meth:`step` (with ``reduce_gradients`` the
+        parameters' ``.grad`` are local, not averaged: clip here). Returns the norm before
+        clipping (float64 tensor, the same on every rank). Collective over the group."""
+        self._check_open("clip_grad_norm_")
+        self._exchange()
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((float(g.abs().max()) for g in self._grads if g.numel()),
+                        default=0.0)
+            total = torch.tensor([local], dtype=torch.float64)
+            self._engine.submit(allreduce, total, ReduceOp.MAX, self.process_group).result()
+            total = total[0]
+        else:
+            local = sum(float(torch.linalg.vector_norm(g.double(), norm_type) ** norm_type)
+                        for g in self._grads if g.numel())
+            total = torch.tensor([local], dtype=torch.float64)
+            self._engine.submit(allreduce, total, ReduceOp.SUM, self.process_group).result()
+            total = total[0] ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self._grads:
+            g.mul_(coef.to(g.dtype))
+        return total
 
     @torch.no_grad()
     def _gather_parameters(self) -> None:
