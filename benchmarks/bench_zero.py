@@ -3,10 +3,13 @@ bytes per step against the allreduce baseline, and step time against torch's
 ``ZeroRedundancyOptimizer`` and torch FSDP2 (``fully_shard``) over gloo, in one mpiexec job.
 
     mpiexec -n 2 python benchmarks/bench_zero.py [--width 512 --depth 4 --json out.json]
+    mpiexec -n 4 python benchmarks/bench_zero.py --breakdown --steps 20   # where time goes
 
 Stages, all fp32 Adam (K = 8 bytes of state per parameter) on the same WideMLP:
   0  commlib.DistributedDataParallel + torch.optim.Adam
-  1  commlib.DistributedDataParallel + commlib.ZeroRedundancyOptimizer(Adam)
+  1  commlib.DistributedDataParallel + commlib.ZeroRedundancyOptimizer(Adam), and
+     commlib.ZeroRedundancyOptimizer(Adam, reduce_gradients=True) without DDP (gradients
+     reduce-scattered in buckets during backward: allreduce's bytes)
   2  commlib.FullyShardedDataParallel(SHARD_GRAD_OP) + Adam over the shards
   3  commlib.FullyShardedDataParallel(FULL_SHARD) + Adam over the shards
 Peers: torch DDP + torch ZeroRedundancyOptimizer (stage 1), torch fully_shard with
@@ -93,8 +96,17 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
         "optim": optim_state(o)}))
     m = commlib.DistributedDataParallel(model())
     o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
-    out.append(Contender("commlib ZeRO-1", 1, m, o, lambda m=m, o=o: {
+    out.append(Contender("commlib DDP+ZeRO-1", 1, m, o, lambda m=m, o=o: {
         "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
+        "optim": optim_state(o.optim)}))
+    # stage 1 at allreduce's bytes: no DDP, bucketed reduce-scatter in backward (the local
+    # flats of values and gradients, 2 x psi/N, counted with params and grads)
+    m = model()
+    o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4,
+                                        reduce_gradients=True)
+    out.append(Contender("commlib ZeRO-1 reduce_gradients", 1, m, o, lambda m=m, o=o: {
+        "params": nbytes(list(m.parameters()) + o._values),
+        "grads": nbytes([p.grad for p in m.parameters()] + o._grads),
         "optim": optim_state(o.optim)}))
     for stage, strategy in ((2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")):
         m = commlib.FullyShardedDataParallel(model(), strategy, chunk_size_mb=args.chunk_mb)
@@ -166,6 +178,10 @@ def main() -> None:
                     help="per-rank memory budget for the largest-model column")
     ap.add_argument("--peers", default="torch", help="'torch' or 'none'")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the step-time breakdown of each contender (phases, waits, "
+                         "hooks, copies, optimizer, MPI; see bench_zero_breakdown.py), "
+                         "--steps steps after --warmup")
     ap.add_argument("--zeropp", action="store_true",
                     help="only the ZeRO++ table: FULL_SHARD's bytes per step against "
                          "weight_quantization / gradient_quantization / secondary_shard "
@@ -178,6 +194,19 @@ def main() -> None:
     y = torch.randint(0, 10, (args.batch,), generator=g)
     if args.zeropp:
         return zeropp(args, x, y)
+    if args.breakdown:
+        import bench_zero_breakdown as B
+        results = B.run(lambda: contenders(args), x, y, args.warmup, args.steps)
+        if rank == 0:
+            print(f"\nStep-time breakdown, WideMLP d_in={args.d_in} width={args.width} "
+                  f"depth={args.depth}, Adam, {n} ranks, batch {args.batch}/rank, chunks "
+                  f"{args.chunk_mb} MiB: ms per step, mean over {args.steps} steps and the "
+                  f"ranks\n")
+            print(B.table(results))
+            if args.json:
+                C.write_json(args.json, {"env": C.environment(n), "args": vars(args),
+                                         "breakdown_ms": results})
+        return
     runs = contenders(args)
     psi = sum(p.numel() for p in WideMLP(args.d_in, args.width, args.depth).parameters())
     bus: dict[str, float] = {}

@@ -14,7 +14,8 @@ Model (:class:`GPT`): byte embeddings (256) plus learned positions, ``layers`` p
 blocks (causal multi-head self-attention through ``scaled_dot_product_attention``, a
 4x GELU MLP), a final LayerNorm, the output head tied to the byte embedding. The default
 (``d_model=192, layers=4, heads=4, context=128``) has 1.87 M parameters; :data:`TINY`
-(32 wide, 2 layers, context 32) is the tests' size.
+(32 wide, 2 layers, context 32) is the tests' size, :data:`MINI` (64 wide) the
+time-to-accuracy grid's on 2 cores (benchmarks/README.md, "GPT time to accuracy").
 
 Batches (:func:`batch`): ``batch`` random windows of ``context + 1`` bytes of the training
 bytes from a ``torch.Generator`` the caller seeds (per rank and step: the same data order
@@ -48,8 +49,9 @@ class Config:
 
 DEFAULT = Config()
 SMALL = Config(d_model=144, layers=4, heads=4, context=64)     # 1.05 M parameters
-TINY = Config(d_model=32, layers=2, heads=2, context=32)
-SIZES = {"default": DEFAULT, "small": SMALL, "tiny": TINY}
+MINI = Config(d_model=64, layers=2, heads=2, context=32)     # 0.12 M parameters
+TINY = Config(d_model=32, layers=2, heads=2, context=32)     # 35 k parameters
+SIZES = {"default": DEFAULT, "small": SMALL, "mini": MINI, "tiny": TINY}
 
 
 def stdlib_files(root: str | None = None) -> list[str]:

@@ -2,6 +2,7 @@
 on one rank; driven by test_fault_matrix.py under ``mpiexec``.
 
 Usage: python fault_matrix_program.py ALGORITHM FAULT [--step K] [--steps N] [--rank R]
+       python fault_matrix_program.py ALGORITHM nan+step_raises [--step K] ...
 
 The model (four linear layers, ``bucket_cap_mb`` small) spans several gradient buckets;
 the fault happens on rank R (default: the last rank) at step K (default 12 of 30), after
@@ -18,13 +19,18 @@ that step's backward, i.e. with the step's exchanges done and its optimizer step
                  the program catches the exception and goes on training
 ``noclose``      no fault; the script ends without ``close()`` (nor any collective after
                  the last step)
+``nan+step_raises``  both faults that training survives, in one job (CI time: one process
+                 start-up less): ``nan`` at step K, ``step_raises`` at step K + 8 (the same
+                 phase of every algorithm's schedule: sync_every and update intervals
+                 divide 8)
 
 Lines printed for the test: ``SHM [names]`` on every rank after ``init`` (the MPICH
 shared-memory segments it maps: the job must leave none in ``/dev/shm``), ``FAULT {json}``
 on R right before a fault that ends the process, and ``RESULT {json}`` on every rank that
 finishes: the steps it skipped, whether
-its parameters are finite, whether they changed after step K (training went on), digests
-of its parameters at the end of training and, except for ``noclose``, after
+its parameters are finite, whether they changed after step K (training went on;
+``changed_after``: for each fault's step), digests of its parameters at the end of training,
+right before each fault's step (``digest_before``) and, except for ``noclose``, after
 ``average_parameters()`` followed by one more training forward and backward without an
 optimizer step (which applies anything an algorithm left pending before a forward).
 """
@@ -45,6 +51,7 @@ import commlib
 from helpers import mpich_segments
 
 FAULTS = ("raise", "exit", "kill", "nan", "step_raises", "noclose")
+SECOND_FAULT_AFTER = 8  # steps between the two faults of "nan+step_raises"
 
 # Each algorithm's interesting phase active by the time of the fault.
 KWARGS = {
@@ -100,7 +107,7 @@ def announce(kind: str, **fields) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("algorithm", choices=sorted(KWARGS))
-    parser.add_argument("fault", choices=FAULTS)
+    parser.add_argument("fault", choices=FAULTS + ("nan+step_raises",))
     parser.add_argument("--step", type=int, default=12)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rank", type=int, default=-1)
@@ -112,22 +119,26 @@ def main() -> None:
     print(f"SHM {json.dumps(mpich_segments())}", flush=True)  # none may be left behind
     bad = (args.rank % n) == rank
     k = args.step
+    faults = args.fault.split("+")
+    at = {f: k + i * SECOND_FAULT_AFTER for i, f in enumerate(faults)}  # fault -> its step
 
     ddp = commlib.DistributedDataParallel(model(), algorithm=args.algorithm,
                                           bucket_cap_mb=BUCKET_CAP_MB,
                                           **KWARGS[args.algorithm])
     opt = optimizer(args.algorithm, ddp.parameters())
     skipped, failed, losses = [], [], []
-    after_fault = None
+    after, before = {}, {}  # fault step -> parameters after it / digest right before it
 
     def fault(kind: str) -> bool:
-        if bad and step == k and args.fault == kind:
+        if bad and kind in at and step == at[kind]:
             if kind in ("raise", "exit", "kill"):
                 announce("FAULT", rank=rank, step=k, fault=kind, time=time.time())
             return True
         return False
 
     for step in range(args.steps):
+        if step in at.values():
+            before[step] = digest(ddp.module)
         x, y = batch(rank, step)
         opt.zero_grad()
         loss = F.cross_entropy(ddp(x), y)
@@ -154,12 +165,14 @@ def main() -> None:
                 print(f"rank {rank}: caught {exc}", flush=True)
         else:
             opt.step()
-        if step == k:
-            after_fault = flat(ddp.module).clone()
+        if step in at.values():
+            after[step] = flat(ddp.module).clone()
 
+    changed = {str(s): not torch.equal(p, flat(ddp.module)) for s, p in after.items()}
     result = dict(rank=rank, skipped=skipped, failed=failed,
                   finite=bool(torch.isfinite(flat(ddp.module)).all()),
-                  changed_after_fault=not torch.equal(after_fault, flat(ddp.module)),
+                  changed_after_fault=changed[str(k)], changed_after=changed,
+                  digest_before={str(s): d for s, d in before.items()},
                   loss_first=losses[0], loss_last=losses[-1], digest_end=digest(ddp.module))
     if args.fault != "noclose":
         ddp.average_parameters()

@@ -11,7 +11,7 @@ several param groups or two optimizers; zero_grad to None or to zeros; buckets f
 and parameters after every step (1e-10 in float64; 1e-5 in cases with a float32 layer). Where torch
 raises, commlib must raise too, on every rank.
 
-``CASES`` cases run at each world size (220 at 2-3 ranks; 100 at 4 and 60 at 1, where nothing
+``CASES`` cases run at each world size (150 at 2-3 ranks; 70 at 4 and 60 at 1, where nothing
 travels, to keep CI short);
 ``COMMLIB_DIFF_CASES`` raises the count for a longer run (``-m differential``).
 """
@@ -36,7 +36,7 @@ def _default_cases() -> int:
     import sys
     mpi = sys.modules.get("mpi4py.MPI")
     size = 1 if mpi is None else mpi.COMM_WORLD.Get_size()
-    return 60 if size == 1 else 220 if size <= 3 else 100
+    return 60 if size == 1 else 150 if size <= 3 else 70
 
 
 CASES = int(os.environ.get("COMMLIB_DIFF_CASES", _default_cases()))

@@ -25,6 +25,8 @@ The jobs run at commlib's default settings (``COMMLIB_TIMEOUT`` unset: 1800 s), 
 that only the watchdog would end shows as a hang: a rank that leaves alone must end the job
 by itself (see commlib.exits).
 
+The nan and step_raises cells of an algorithm and world size share one job (nan at step
+12, step_raises at step 20: one process start-up less, each cell judged as if alone).
 The cells run concurrently (``FAULT_MATRIX_JOBS`` jobs at a time, default 4: a
 job's ranks mostly wait) in a module fixture that runs the cells selected (``-k`` works);
 the table (algorithm x fault x ranks: outcome, seconds) is printed in the test output and
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fault_matrix_program import FAULTS, KWARGS
+from fault_matrix_program import FAULTS, KWARGS, SECOND_FAULT_AFTER
 from helpers import clean_env, leftover_segments, run_mpi, serial_only
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "fault_matrix_program.py")
@@ -57,6 +59,9 @@ FAULT_STEP = 12
 GRADIENT_ALGORITHMS = {"gradient_allreduce", "bytegrad", "qadam", "d_kfac", "dp_kfac",
                        "powersgd"}
 COMPLETES = ("nan", "step_raises", "noclose")
+#: nan and step_raises (both survived) run in one job per algorithm and world size, at steps
+#: 12 and 20; each keeps its own cell, judged from that job's output
+SHARED = "nan+step_raises"
 BOUND_S = 30.0           # a failing job must be over this long after the fault
 OUTER_TIMEOUT_S = 150    # beyond this a job counts as hung
 CRASH = re.compile(r"Segmentation fault|terminate called|corrupted|core dumped|double free|"
@@ -75,6 +80,13 @@ class Cell:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     output: str = ""
+    job: str = ""  # the program's FAULT argument: this cell's fault, or SHARED
+
+    @property
+    def step(self) -> int:
+        """The step of this cell's fault in its job."""
+        second = self.job == SHARED and self.fault == "step_raises"
+        return FAULT_STEP + (SECOND_FAULT_AFTER if second else 0)
 
     @property
     def outcome(self) -> str:
@@ -83,12 +95,24 @@ class Cell:
         return "ok" if self.fault in COMPLETES else f"ended {self.status}"
 
 
+def objects_after(tag: str, out: str) -> list[dict]:
+    """The JSON objects printed after ``tag``: each one is a single write of one rank, but a
+    rank's newline may come after another rank's line (hydra merges the ranks' outputs)."""
+    decoder, found = json.JSONDecoder(), []
+    for m in re.finditer(re.escape(tag), out):
+        try:
+            found.append(decoder.raw_decode(out, m.end())[0])
+        except json.JSONDecodeError:
+            continue
+    return found
+
+
 def judge(cell: Cell, out: str, ended_at: float) -> None:
     """Fill ``cell.problems`` from the job's status and output (see the module docstring)."""
     p = cell.problems
     # Ranks' lines may interleave in the launcher's output: match the objects themselves.
     fault_lines = [json.loads(m) for m in re.findall(r"FAULT (\{[^{}]*\})", out)]
-    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
+    results = objects_after("RESULT ", out)
     crash = CRASH.search(out)
     if "SHM [" not in out:
         p.append("no SHM line: the job's shared-memory segments are unknown")
@@ -121,7 +145,7 @@ def judge(cell: Cell, out: str, ended_at: float) -> None:
 
 
 def _judge_completed(cell: Cell, results: list[dict]) -> None:
-    p, n, k, bad_rank = cell.problems, cell.ranks, FAULT_STEP, cell.ranks - 1
+    p, n, k, bad_rank = cell.problems, cell.ranks, cell.step, cell.ranks - 1
     if cell.status != 0:
         p.append(f"status {cell.status}")
     if sorted(r["rank"] for r in results) != list(range(n)):
@@ -130,7 +154,7 @@ def _judge_completed(cell: Cell, results: list[dict]) -> None:
     by_rank = sorted(results, key=lambda r: r["rank"])
     if not all(r["finite"] and math.isfinite(r["loss_last"]) for r in by_rank):
         p.append("non-finite parameters or loss at the end")
-    if not all(r["changed_after_fault"] for r in by_rank):
+    if not all(r["changed_after"][str(k)] for r in by_rank):
         p.append("parameters did not change after the fault step")
     gradients = cell.algorithm in GRADIENT_ALGORITHMS
     if cell.fault == "nan":
@@ -142,19 +166,41 @@ def _judge_completed(cell: Cell, results: list[dict]) -> None:
         want = [[k] if r == bad_rank else [] for r in range(n)]
         if [r["failed"] for r in by_rank] != want:
             p.append(f"failed steps per rank {[r['failed'] for r in by_rank]}, expected {want}")
-    if gradients and cell.fault != "step_raises" and \
-            len({r["digest_end"] for r in by_rank}) != 1:
+    # in the shared job, the nan cell's "end" is right before step_raises' step (after it
+    # the rank that missed its update differs, by the user's doing)
+    end = (lambda r: r["digest_before"][str(k + SECOND_FAULT_AFTER)]) if cell.job == SHARED \
+        else (lambda r: r["digest_end"])
+    if gradients and cell.fault != "step_raises" and len({end(r) for r in by_rank}) != 1:
         p.append("replicas differ at the end of training")
     if cell.fault != "noclose" and len({r.get("digest_avg") for r in by_rank}) != 1:
         p.append("replicas differ after average_parameters()")
 
 
-def run_cell(cell: Cell) -> Cell:
-    cell.status, cell.seconds, cell.output = run_mpi(
-        cell.ranks, [PROGRAM, cell.algorithm, cell.fault, "--step", str(FAULT_STEP)],
+def run_job(cells: list[Cell]) -> list[Cell]:
+    """One ``mpiexec`` job for ``cells`` (one cell, or the nan and step_raises cells of one
+    algorithm and world size), each judged from its output."""
+    first = cells[0]
+    status, seconds, output = run_mpi(
+        first.ranks, [PROGRAM, first.algorithm, first.job, "--step", str(FAULT_STEP)],
         timeout=OUTER_TIMEOUT_S, COMMLIB_TIMEOUT=None, OMP_NUM_THREADS="1")
-    judge(cell, cell.output, time.time())
-    return cell
+    ended_at = time.time()
+    for cell in cells:
+        cell.status, cell.seconds, cell.output = status, seconds, output
+        judge(cell, output, ended_at)
+    return cells
+
+
+def jobs_of(cells: list[Cell]) -> list[list[Cell]]:
+    """Group the cells into jobs (see :data:`SHARED`)."""
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        shared = c.fault in SHARED.split("+")
+        groups.setdefault((c.algorithm, c.ranks, shared or c.fault), []).append(c)
+    for group in groups.values():
+        job = SHARED if len(group) == 2 else group[0].fault
+        for c in group:
+            c.job = job
+    return list(groups.values())
 
 
 def table(cells: list[Cell]) -> str:
@@ -189,12 +235,11 @@ def _warm_numba_cache() -> None:
 #: the faults whose outcome is the algorithm's (nan, step_raises: what travels, who skips, who
 #: differs), and the exit paths (raise, exit, kill, noclose: commlib.exits', the same for every
 #: algorithm but for what runs in the background) for the algorithms whose communication runs
-#: outside the user's calls (async_model_average's and streaming_diloco's threads), the
-#: neighbour exchange (decentralized) and the baseline (gradient_allreduce). Every cell of the
-#: whole matrix passed when it was cut so (FAULT_MATRIX_FULL=1 runs them all).
+#: outside the user's calls (async_model_average's and streaming_diloco's threads); the exit
+#: paths of plain DDP at 3 ranks are test_faults.py's. Every cell of the whole matrix passed
+#: when it was cut so (FAULT_MATRIX_FULL=1 runs them all).
 AT_3_EVERY_ALGORITHM = ("nan", "step_raises")
-AT_3_EVERY_FAULT = {"gradient_allreduce", "decentralized", "async_model_average",
-                    "streaming_diloco"}
+AT_3_EVERY_FAULT = {"async_model_average", "streaming_diloco"}
 CELLS = [(a, f, n) for a in ALGORITHMS for f in FAULTS for n in SIZES
          if n == 2 or f in AT_3_EVERY_ALGORITHM or a in AT_3_EVERY_FAULT
          or os.environ.get("FAULT_MATRIX_FULL")]
@@ -209,10 +254,12 @@ def matrix(request) -> dict:
     _warm_numba_cache()
     start = time.monotonic()
     jobs = int(os.environ.get("FAULT_MATRIX_JOBS", "4"))
+    groups = jobs_of(cells)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        done = list(pool.map(run_cell, cells))
+        done = [c for group in pool.map(run_job, groups) for c in group]
     elapsed = time.monotonic() - start
-    text = (f"\nfault matrix: {len(done)} jobs, {jobs} at a time, {elapsed:.0f} s\n"
+    text = (f"\nfault matrix: {len(done)} cells in {len(groups)} jobs, {jobs} at a time, "
+            f"{elapsed:.0f} s\n"
             + table(done) + "\n")
     bad = [c for c in done if c.problems]
     text += "".join(f"FAIL {c.algorithm} {c.fault} x{c.ranks}: {'; '.join(c.problems)}\n"

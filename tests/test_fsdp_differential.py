@@ -23,7 +23,7 @@ too, at the same point, on every rank. Where ``fully_shard`` refuses a float32 b
 inside a float64 group (it wants one dtype per group), commlib trains it and is compared
 with the unwrapped model trained in one process on every rank's data.
 
-``CASES`` cases per strategy at each world size (30 at 1-3 ranks, 15 at 4: CI time;
+``CASES`` cases per strategy at each world size (16 at 1-3 ranks, 8 at 4: CI time;
 ``COMMLIB_FSDP_DIFF_CASES`` for more);
 three broken variants of commlib (no gradient reduce-scatter, the neighbour's shard of
 the averaged gradient, the first step's gradients dropped) must be rejected.
@@ -50,7 +50,7 @@ from torch_gloo import gloo_world  # noqa: E402
 def _default_cases() -> int:
     import sys
     mpi = sys.modules.get("mpi4py.MPI")
-    return 30 if mpi is None or mpi.COMM_WORLD.Get_size() <= 3 else 15
+    return 16 if mpi is None or mpi.COMM_WORLD.Get_size() <= 3 else 8
 
 
 CASES = int(os.environ.get("COMMLIB_FSDP_DIFF_CASES", _default_cases()))
@@ -482,7 +482,7 @@ def test_negative_controls_are_rejected(broken, one_thread_per_rank):
     if commlib.get_world_size() == 1 and broken != "drops_step":
         pytest.skip("one rank holds every shard: nothing to reduce")
     compared = rejected = 0
-    for index in range(7):
+    for index in range(5):
         case = draw(index, ["FULL_SHARD", "SHARD_GRAD_OP"][index % 2])
         if case.frozen != "none":
             case.frozen = "bias"

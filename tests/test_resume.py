@@ -32,7 +32,7 @@ K = 4
 
 
 @serial_only
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # 2 ranks run the same code (CI time)
 def test_every_algorithm_resumes_exactly_in_new_processes(n, tmp_path):
     for mode in ("first", "second"):
         code, seconds, out = run_mpi(n, [PROGRAM, mode, str(tmp_path), str(K)], timeout=600,

@@ -78,7 +78,7 @@ def mingpt(n, algorithm, tmp_path, *options):
     return out, snapshot
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # 2 ranks run the same code (CI time)
 def test_mingpt_every_algorithm_identical_replicas(tmp_path, n):
     for algorithm in ["gradient_allreduce", "bytegrad", "local_sgd", "decentralized"]:
         out, snapshot = mingpt(n, algorithm, tmp_path)

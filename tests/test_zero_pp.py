@@ -69,11 +69,28 @@ def nodes_of(n):
     return 2 if n % 2 == 0 and n > 2 else n
 
 
-def excesses(steps=3, **kw):
+def grad_bound(grads, r, S, bits, nodes):
+    """Bound on |our gradient part r - exact mean| (``grads``: every rank's full chunk
+    gradient). Flat qgZ: ``mean_q bound(g_q[part r])``; hierarchical (``nodes``: the ranks
+    of each node): ``(1/n) sum_v bound(sum_{q in v} g_q[part r])``, 0 with one node (the
+    node sums are exact, only they are quantized)."""
+    n = len(grads)
+    parts = [g[r * S:(r + 1) * S] for g in grads]
+    if nodes is None:
+        return sum(Q.error_bound(p, BLOCK, bits) for p in parts) / n
+    if len(nodes) == 1:
+        return torch.zeros(S, dtype=torch.float64)
+    return sum(Q.error_bound(sum(parts[q] for q in v), BLOCK, bits) for v in nodes) / n
+
+
+def excesses(steps=3, grad="int8", nodes=None, **kw):
     """Per step: (max excess of |used weight - master| over its bound, max excess of
     |gradient shard - exact mean| over its bound, used weights identical on all ranks).
-    An excess <= 0 is within the bound."""
-    model = wrap(make_model(), weight_quantization="int8", gradient_quantization="int8", **kw)
+    An excess <= 0 is within the bound. ``nodes``: the emulated nodes' ranks, for
+    ``gradient_hierarchy="node"`` (None: flat qgZ)."""
+    if nodes is not None:
+        kw["gradient_hierarchy"] = "node"
+    model = wrap(make_model(), weight_quantization="int8", gradient_quantization=grad, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     ref = make_model()
     refp = dict(ref.named_parameters())
@@ -119,8 +136,8 @@ def excesses(steps=3, **kw):
                 offset += c.padded
                 S, r = c.shard_numel, model.rank
                 mean = grads.mean(0)[r * S:(r + 1) * S]
-                bound = sum(Q.error_bound(g[r * S:(r + 1) * S], BLOCK) for g in grads) \
-                    / len(grads) if c.shards > 1 else torch.zeros(S, dtype=torch.float64)
+                bound = grad_bound(grads, r, S, grad, nodes) if c.shards > 1 \
+                    else torch.zeros(S, dtype=torch.float64)
                 err = (c.shard.grad.double() - mean).abs() - bound - 1e-12
                 g_excess = max(g_excess, float(err.max()))
             flags = np.array([w_excess, g_excess])
@@ -155,7 +172,7 @@ def _scale_free(buf, out=None):
     return out
 
 
-def _never_reduced(full, group, block, average=True):
+def _never_reduced(full, group, block, average=True, bits="int8"):
     """Broken qgZ: each rank keeps its own part of its own gradient (quantized)."""
     part = full.reshape(group.size, -1)[group.rank]
     return Q.dequantize(Q.quantize(part, block)).to(full.dtype)
@@ -173,6 +190,44 @@ def test_negative_controls_are_rejected(broken, monkeypatch, one_thread_per_rank
     history = excesses(steps=2)
     col = 0 if broken == "scales_dropped" else 1
     assert max(h[col] for h in history) > 0, f"{broken} passed the bound check"
+
+
+def hierarchy_nodes(n):
+    """Emulated nodes for hierarchical qgZ: 2 x 2 at 4 ranks (the two tiers), else one
+    rank a node (n nodes: the inter-node tier alone)."""
+    m = 2 if n == 4 else 1
+    return m, [list(range(v * m, (v + 1) * m)) for v in range(n // m)]
+
+
+@pytest.mark.mpi
+def test_int4_and_hierarchical_within_quantization_bound(monkeypatch, one_thread_per_rank):
+    """qgZ int4 flat, and hierarchical int8 / int4 (intra-node reduce in full precision,
+    then the quantized alltoall of node sums): each gradient within its bound every step
+    (int4: ``(hi - lo) / 30`` a block). Sensitivity: int4's errors exceed int8's bound
+    (the 4-bit path really quantizes at 15 levels); at 4 ranks, an intra-node tier that
+    does not reduce (each rank keeps its own parts) must fail the bound."""
+    n = commlib.get_world_size()
+    m, nodes = hierarchy_nodes(n)
+    monkeypatch.setattr(commlib.options, "local_size", m)
+    for grad, hier in (("int4", None), ("int8", nodes), ("int4", nodes)):
+        for step, (w, g, same) in enumerate(excesses(steps=2, grad=grad, nodes=hier)):
+            where = f"{grad} {'hierarchical' if hier else 'flat'} step {step}"
+            assert same, f"{where}: the replicas computed with different weights"
+            assert w <= 0, f"{where}: a used weight is {w:.3g} beyond its bound"
+            assert g <= 0, f"{where}: a gradient is {g:.3g} beyond its bound"
+    if n > 1:
+        bound = Q.error_bound
+        monkeypatch.setattr(Q, "error_bound", lambda x, block, bits="int8": bound(x, block))
+        history = excesses(steps=1, grad="int4")
+        monkeypatch.setattr(Q, "error_bound", bound)
+        assert max(h[1] for h in history) > 0, "int4 errors within int8's bound"
+    if m > 1:
+        def local_only(t, op, group):   # broken intra-node tier: no reduction
+            k = t.numel() // group.size
+            return t[group.rank * k:(group.rank + 1) * k].clone()
+        monkeypatch.setattr(Q, "reduce_scatter", local_only)
+        history = excesses(steps=1, grad="int8", nodes=nodes)
+        assert max(h[1] for h in history) > 0, "an unreduced node tier passed the bound"
 
 
 @pytest.mark.mpi
@@ -254,6 +309,38 @@ def test_bytes_per_step_against_full_shard(one_thread_per_rank):
               f"alltoall {n * wire} B")
 
 
+@pytest.mark.mpi
+def test_int4_and_hierarchical_bytes(monkeypatch, one_thread_per_rank):
+    """Counters per step: int4 alltoall ``n wire4(S)`` a chunk; hierarchical: the node's
+    full-precision reduce_scatter of ``4 n S`` (m > 1) and the alltoall of ``k`` node sums
+    among the k nodes (``k wire(S)``). Inter-node bytes a chunk and rank (printed): the
+    flat exchanges send ``n - m`` parts off the node, the hierarchical one ``k - 1``."""
+    n = commlib.get_world_size()
+    if n == 1:
+        pytest.skip("one rank: nothing is sent")
+    m, _ = hierarchy_nodes(n)
+    k = n // m
+    monkeypatch.setattr(commlib.options, "local_size", m)
+    base, S = _bytes_one_step()
+    rs_calls = base["reduce_scatter"][0]
+    w8, w4 = Q.wire_nbytes(S, 128, "int8"), Q.wire_nbytes(S, 128, "int4")
+    q4, _ = _bytes_one_step(gradient_quantization="int4")
+    assert q4 == {"allgather": base["allgather"], "alltoall": (rs_calls, rs_calls * n * w4)}
+    inter = {"FULL_SHARD fp32": (n - m) * 4 * S, "qgZ int8": (n - m) * w8,
+             "qgZ int4": (n - m) * w4}
+    for bits, wire in (("int8", w8), ("int4", w4)):
+        h, _ = _bytes_one_step(gradient_quantization=bits, gradient_hierarchy="node")
+        expect = {"allgather": base["allgather"], "alltoall": (rs_calls, rs_calls * k * wire)}
+        if m > 1:
+            expect["reduce_scatter"] = (rs_calls, rs_calls * 4 * n * S)
+        assert h == expect, (bits, h, expect)
+        inter[f"hierarchical qgZ {bits}"] = (k - 1) * wire
+    if commlib.get_rank() == 0:
+        print(f"\nn={n}, {k} nodes of {m}, S={S}: inter-node bytes a chunk and rank: " +
+              ", ".join(f"{name} {b} ({b / inter['FULL_SHARD fp32']:.3f}x)"
+                        for name, b in inter.items()))
+
+
 def _train_exact(steps, broken=False, **kw):
     model = wrap(make_model(), **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -331,6 +418,11 @@ def test_bad_arguments():
                      (dict(sharding_strategy="NO_SHARD", gradient_quantization="int8"),
                       "gradient_quantization"),
                      (dict(secondary_shard="rack"), "secondary_shard"),
+                     (dict(gradient_quantization="int4", quantization_block_size=15),
+                      "quantization_block_size"),
+                     (dict(gradient_quantization="int8", gradient_hierarchy="rack"),
+                      "gradient_hierarchy"),
+                     (dict(gradient_hierarchy="node"), "gradient_hierarchy"),
                      (dict(sharding_strategy="SHARD_GRAD_OP", secondary_shard="node"),
                       "secondary_shard")):
         with pytest.raises(ValueError, match=name):

@@ -30,8 +30,6 @@ holds its averaged gradient.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import warnings
 import weakref
 from typing import Any, Iterator
@@ -42,37 +40,18 @@ from torch import nn
 
 from .. import runtime
 from ..ddp.engine import Engine
-from ..primitives import allgather, allreduce, broadcast, new_group
-from ..reduce_ops import ReduceOp
+from ..primitives import allgather, new_group
 from . import nesting
 from . import state as _state
 from .chunks import Chunk, detach_parameters, owned_chunks, plan, scope
+from .config import ShardingStrategy, check_layout, mixed_precision_dtype, strategy_of
 from .groups import resolve_group
-from .quantized import DEFAULT_BLOCK, node_group, quantization_blocks
+from .quantized import DEFAULT_BLOCK, Hierarchy, node_group, quantization_blocks
 from .stream import FULLS, ChunkSchedule
-
-class ShardingStrategy(str, enum.Enum):
-    """What is sharded across the ranks (torch FSDP's names)."""
-    FULL_SHARD = "FULL_SHARD"          # parameters, gradients, optimizer state (ZeRO-3)
-    SHARD_GRAD_OP = "SHARD_GRAD_OP"    # gradients and optimizer state (ZeRO-2)
-    NO_SHARD = "NO_SHARD"              # nothing (data parallelism)
+from .utilities import WrapperUtilities, broadcast_coalesced, full_chunk
 
 
-@dataclasses.dataclass
-class MixedPrecision:
-    """torch FSDP's mixed-precision policy (torch's own ``MixedPrecision`` works too).
-
-    ``param_dtype``: the gathered chunks (what forward and backward compute with) and the
-    forward inputs; the shards, which the optimizer updates, stay in the parameters' dtype
-    (master weights). ``reduce_dtype``: gradients are reduce-scattered in it (default
-    ``param_dtype``), then stored in the shards' dtype. ``buffer_dtype``: floating-point
-    buffers are cast to it once, at construction."""
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    buffer_dtype: torch.dtype | None = None
-
-
-class FullyShardedDataParallel(ChunkSchedule, nn.Module):
+class FullyShardedDataParallel(ChunkSchedule, WrapperUtilities, nn.Module):
     """Shard ``module``'s parameters in flat chunks across the ranks of ``group``.
 
     Collective over ``group`` (``None``: the world; a ``commlib.Group`` or a torch
@@ -113,9 +92,13 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     block. ``weight_quantization="int8"`` (qwZ, FULL_SHARD only): every gather of a chunk
     (forward and backward) sends the shard quantized; every rank decodes the same values,
     so the replicas compute with identical weights (state dicts stay exact).
-    ``gradient_quantization="int8"`` (qgZ, FULL_SHARD or SHARD_GRAD_OP): a chunk's
-    gradient is reduce-scattered through one ``alltoall`` of quantized parts, decoded and
-    summed in float64. ``secondary_shard="node"`` (hpZ, FULL_SHARD only): each forward
+    ``gradient_quantization="int8"`` or ``"int4"`` (qgZ, FULL_SHARD or SHARD_GRAD_OP; int4:
+    15 levels, two codes a byte, within ``(max - min) / 30``, an even block size): a
+    chunk's gradient is reduce-scattered through one ``alltoall`` of quantized parts,
+    decoded and summed in float64; with ``gradient_hierarchy="node"`` (ZeRO++'s
+    hierarchical qgZ) the parts are first reduced inside the node in full precision
+    (``reduce_scatter``), then only the node sums cross nodes, quantized (``k`` parts a
+    rank for ``k`` nodes instead of ``n``; nodes as for ``secondary_shard``). ``secondary_shard="node"`` (hpZ, FULL_SHARD only): each forward
     gather also leaves this rank its ``1/m`` slice of the chunk among the ``m`` ranks of
     its node (``COMMLIB_LOCAL_SIZE`` blocks, else the host; nodes of equal size), so the
     backward re-gathers run inside the node only, on exactly the forward's values; costs
@@ -134,43 +117,29 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                  sync_module_states: bool = True, weight_quantization: str | None = None,
                  gradient_quantization: str | None = None,
                  quantization_block_size: int = DEFAULT_BLOCK,
-                 secondary_shard: str | None = None) -> None:
+                 secondary_shard: str | None = None,
+                 gradient_hierarchy: str | None = None) -> None:
         super().__init__()
         self._closed = True   # until the communicators exist
         rank = runtime.get_rank()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel (rank {rank}): argument 'module' must "
                             f"be a torch.nn.Module, got {type(module).__name__}")
-        try:
-            self.sharding_strategy = ShardingStrategy(
-                getattr(sharding_strategy, "name", sharding_strategy))
-        except ValueError:
-            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
-                             f"'sharding_strategy' must be one of "
-                             f"{[s.value for s in ShardingStrategy]}, got "
-                             f"{sharding_strategy!r}") from None
-        if not chunk_size_mb > 0:
-            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
-                             f"'chunk_size_mb' must be > 0, got {chunk_size_mb!r}")
+        self.sharding_strategy = strategy_of(sharding_strategy, rank)
+        check_layout(self.sharding_strategy, chunk_size_mb, secondary_shard, rank)
         self._weight_block, self._grad_block = quantization_blocks(
             self.sharding_strategy.value, weight_quantization, gradient_quantization,
-            quantization_block_size, rank)
+            quantization_block_size, rank, gradient_hierarchy)
         self.weight_quantization, self.gradient_quantization = (weight_quantization,
                                                                 gradient_quantization)
-        if secondary_shard not in (None, "node"):
-            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
-                             f"'secondary_shard' must be None or 'node', got "
-                             f"{secondary_shard!r}")
-        if secondary_shard and self.sharding_strategy is not ShardingStrategy.FULL_SHARD:
-            raise ValueError(f"FullyShardedDataParallel (rank {rank}): argument "
-                             f"'secondary_shard' needs sharding_strategy FULL_SHARD, got "
-                             f"{self.sharding_strategy.value}")
+        self.gradient_hierarchy = gradient_hierarchy
+        self._hierarchy = None
         self.secondary_shard = secondary_shard
         self._node_group = None
         self.mixed_precision = mixed_precision
-        param_dtype = _dtype(mixed_precision, "param_dtype", rank)
-        self._reduce_dtype = _dtype(mixed_precision, "reduce_dtype", rank) or param_dtype
-        buffer_dtype = _dtype(mixed_precision, "buffer_dtype", rank)
+        param_dtype = mixed_precision_dtype(mixed_precision, "param_dtype", rank)
+        self._reduce_dtype = mixed_precision_dtype(mixed_precision, "reduce_dtype", rank) or param_dtype
+        buffer_dtype = mixed_precision_dtype(mixed_precision, "buffer_dtype", rank)
         if group is not None and process_group is not None:
             raise ValueError(f"FullyShardedDataParallel (rank {rank}): pass 'group' or "
                              f"'process_group', not both")
@@ -190,6 +159,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         try:
             if secondary_shard:
                 self._node_group = node_group(self.process_group)
+            if gradient_hierarchy:
+                self._hierarchy = Hierarchy(self._reduce_group)
             self._agree(nesting.refusal(inside, nested, self.process_group.ranks))
             self._setup(inside, nested, param_groups, param_dtype, buffer_dtype,
                         chunk_size_mb, sync_module_states)
@@ -199,6 +170,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             self._reduce_group.free()
             if self._node_group is not None:
                 self._node_group.free()
+            if self._hierarchy is not None:
+                self._hierarchy.free()
             raise
 
     def _agree(self, refusal: str | None) -> None:
@@ -220,7 +193,7 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         buffers = list({id(b): b for m in unique for b in m._buffers.values()
                         if b is not None}.values())
         if sync_module_states and self.world_size > 1:
-            _broadcast_coalesced(own + buffers, self.process_group)
+            broadcast_coalesced(own + buffers, self.process_group)
         self._group_options, group_of = _state.parse_param_groups(
             module, param_groups, rank, {id(p) for p in own})
         shards = 1 if self.sharding_strategy is ShardingStrategy.NO_SHARD else self.world_size
@@ -291,7 +264,7 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
                                                                  prepend=True))
                 self._handles.append(m.register_forward_hook(self._post_forward))
         self._state_hooks = _state.FullStateHooks(self, "module", chunks, names,
-                                                  _full_chunk, self._restore)
+                                                  full_chunk, self._restore)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the wrapper lacks are the wrapped module's (as torch's FSDP does), so
@@ -352,93 +325,6 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
             for w, s in zip(wrappers, old):
                 w._sync = s
 
-    # -- utilities ------------------------------------------------------------------------
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the shards' gradients (nested wrappers' too) so that the global gradient
-        norm (over all ranks' shards, i.e. the whole model, each parameter once) is at most
-        ``max_norm``. Returns the norm before clipping (float64 tensor, the same on every
-        rank)."""
-        norm_type = float(norm_type)
-        wrappers = self._wrappers()
-        grads, sharded = [], False
-        for w in wrappers:
-            grads += [c.shard.grad for c in w._chunks if c.shard.grad is not None]
-            sharded |= w.sharding_strategy is not ShardingStrategy.NO_SHARD
-        if norm_type == float("inf"):
-            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-            total = torch.tensor([local], dtype=torch.float64)
-            if sharded:
-                self._run(allreduce, total, ReduceOp.MAX, self.process_group)
-            total = total[0]
-        else:
-            # NO_SHARD wrappers hold whole gradients: counted once, on the group's rank 0
-            local = sum(float(torch.linalg.vector_norm(c.shard.grad.double(), norm_type)
-                              ** norm_type)
-                        for w in wrappers for c in w._chunks if c.shard.grad is not None
-                        and (not sharded or c.shards > 1 or self.rank == 0))
-            total = torch.tensor([local], dtype=torch.float64)
-            if sharded:
-                self._run(allreduce, total, ReduceOp.SUM, self.process_group)
-            total = total[0] ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
-
-    def sharded_param_groups(self) -> list[dict]:
-        """The constructor's ``param_groups`` over this rank's shards (with their
-        options), plus one group without options for the shards of parameters no entry
-        named (nested wrappers' shards included); pass it to a ``torch.optim`` optimizer."""
-        others = [c.shard for w in self._wrappers()[1:] for c in w._chunks]
-        return _state.sharded_param_groups(self._chunks, self._group_options, others)
-
-    def memory_bytes(self, reset_peak: bool = False) -> dict[str, int]:
-        """Bytes this rank holds now for this wrapper's chunks (nested wrappers report
-        their own): ``params`` (shards plus gathered chunks, the shard counted once where
-        it is a slice of a gathered chunk), ``grads`` (shard gradients plus full gradients
-        still held) and ``peak_gathered`` (the most bytes of gathered FULL_SHARD chunks
-        held at once since construction or the last ``reset_peak=True``; a gather's
-        receive buffer, one chunk per request under way, comes on top)."""
-        params = 0
-        for c in self._chunks:
-            full = c.state_bytes()["full"]
-            aliased = c.shards > 1 and c.shard.data_ptr() == c.full.data_ptr() + (
-                c.rank * c.shard_numel * c.full.element_size()) and full
-            params += full + (0 if aliased else c.shard.numel() * c.shard.element_size())
-        grads = sum(c.shard.grad.numel() * c.shard.grad.element_size()
-                    for c in self._chunks if c.shard.grad is not None)
-        grads += sum(c.full.grad.numel() * c.full.grad.element_size()
-                     for c in self._chunks if c.full.grad is not None)
-        secondary = sum(t.numel() * t.element_size() for t, _ in self._secondary.values())
-        out = {"params": params, "grads": grads, "peak_gathered": self._gathered_bytes[1],
-               "secondary": secondary}
-        if reset_peak:
-            self._gathered_bytes[1] = self._gathered_bytes[0]
-        return out
-
-    # -- optimizer state dicts ----------------------------------------------------------
-    # (the module's own state dict: torch's state_dict()/load_state_dict() through the
-    # hooks of state.FullStateHooks: the unwrapped module's keys, full values)
-
-    @staticmethod
-    def optim_state_dict(model: "FullyShardedDataParallel",
-                         optim: torch.optim.Optimizer) -> dict:
-        """The optimizer's full state keyed by parameter name (the unwrapped module's names;
-        element-wise state gathered from the shards, nested wrappers' included), on every
-        rank; loads at any world size through :meth:`optim_state_dict_to_load`. Collective
-        over the group."""
-        return _state.full_optim_state_dict(model._named_chunks(), _full_chunk, model.rank,
-                                            optim)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: "FullyShardedDataParallel",
-                                 optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
-        """This rank's optimizer state dict (for ``optim.load_state_dict``) cut from a full
-        one made by :meth:`optim_state_dict`."""
-        return _state.shard_optim_state_dict(model._named_chunks(), model.rank, optim,
-                                             optim_state_dict)
-
     def close(self) -> None:
         """Remove the hooks, stop the communication threads and free the two
         communicators, of this wrapper and of the wrappers nested in it (idempotent; not
@@ -464,6 +350,8 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
         self._reduce_group.free()
         if self._node_group is not None:
             self._node_group.free()
+        if self._hierarchy is not None:
+            self._hierarchy.free()
 
     def __del__(self) -> None:
         try:
@@ -474,43 +362,7 @@ class FullyShardedDataParallel(ChunkSchedule, nn.Module):
     def extra_repr(self) -> str:
         quant = "".join(f", {k}={v!r}" for k, v in (
             ("weight_quantization", self.weight_quantization),
-            ("gradient_quantization", self.gradient_quantization)) if v)
+            ("gradient_quantization", self.gradient_quantization),
+            ("gradient_hierarchy", self.gradient_hierarchy)) if v)
         return (f"sharding_strategy={self.sharding_strategy.value}, chunks={len(self._chunks)}, "
                 f"rank={self.rank}, world_size={self.world_size}{quant}")
-
-
-@torch.no_grad()
-def _broadcast_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
-    """Rank 0's values of ``tensors`` on every rank: one broadcast per dtype and device
-    (in first-appearance order, the same on every rank of one model)."""
-    kinds: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        kinds.setdefault((t.dtype, t.device), []).append(t)
-    for ts in kinds.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        broadcast(flat, 0, group)
-        offset = 0
-        for t in ts:
-            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
-def _full_chunk(c: Chunk, t: torch.Tensor) -> torch.Tensor:
-    """The whole flat chunk of a shard-shaped tensor ``t`` of any wrapper's chunk ``c``
-    (collective over that wrapper's group when sharded)."""
-    if c.shards == 1:
-        return t.detach()
-    return c.owner()._run(allgather, t.detach().contiguous(),
-                          c.owner().process_group).reshape(-1)
-
-
-def _dtype(mixed_precision: Any, name: str, rank: int) -> torch.dtype | None:
-    """``mixed_precision.<name>`` (torch's ``MixedPrecision`` or commlib's, or a dict)."""
-    if mixed_precision is None:
-        return None
-    value = (mixed_precision.get(name) if isinstance(mixed_precision, dict)
-             else getattr(mixed_precision, name, None))
-    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise TypeError(f"FullyShardedDataParallel (rank {rank}): mixed_precision.{name} must "
-                        f"be a floating-point torch.dtype or None, got {value!r}")
-    return value

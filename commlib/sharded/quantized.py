@@ -1,12 +1,14 @@
 """Compressed sharding collectives (ZeRO++'s qwZ and qgZ) over commlib.primitives.
 
-Both use the min-max uint8 block quantizer of :mod:`kernels` (``quantize_minmax_uint8``):
-each block of ``block`` consecutive elements is sent as one byte per element plus its
-float32 ``(min, max)`` pair (8 bytes a block) and a 32-byte header, i.e. a buffer of
-``kernels.compressed_nbytes(numel, block)`` bytes. An element ``x`` of a block with range
-``[lo, hi]`` decodes to ``lo + q (hi - lo) / 255`` with ``q = rint((x - lo) 255 / (hi - lo))``,
-so the error is at most ``(hi - lo) / 510`` (plus float32 rounding, a few ulps of
-``max(|lo|, |hi|)``): :func:`error_bound` gives it element-wise.
+Both use the min-max block quantizers of :mod:`kernels`: ``"int8"``
+(``quantize_minmax_uint8``, one byte an element, 255 levels) and, for gradients,
+``"int4"`` (``quantize_minmax_int4``, two codes a byte, 15 levels, even block sizes). Each
+block of ``block`` consecutive elements is sent as its codes plus its float32 ``(min, max)``
+pair (8 bytes a block) and a 32-byte header, i.e. a buffer of
+``kernels.compressed_nbytes(numel, block, kind)`` bytes. An element ``x`` of a block with
+range ``[lo, hi]`` decodes to ``lo + q (hi - lo) / L`` with ``q = rint((x - lo) L / (hi -
+lo))`` (``L`` the levels), so the error is at most ``(hi - lo) / (2 L)`` (plus float32
+rounding, a few ulps of ``max(|lo|, |hi|)``): :func:`error_bound` gives it element-wise.
 
 * :func:`quantized_allgather` (qwZ): every rank quantizes its shard once, the uint8 buffers
   are all-gathered, every rank decodes every row: the result is identical on every rank
@@ -15,6 +17,12 @@ so the error is at most ``(hi - lo) / 510`` (plus float32 rounding, a few ulps o
   quantized and sent to rank ``j`` through one ``alltoall`` of uint8 buffers; the ``n``
   received parts are decoded and summed in float64, then divided by ``n`` for ``AVG``:
   the only loss is the quantization of each rank's part, never of the partial sums.
+* :func:`hierarchical_reduce_scatter` (qgZ across nodes, :class:`Hierarchy`): first a
+  full-precision ``reduce_scatter`` inside the node (``m`` ranks), which leaves each rank
+  the node's sums of the parts of the ranks with its local index on every node; then one
+  quantized ``alltoall`` among those ``k = n / m`` ranks (one a node), decoded and summed
+  in float64. Only the node sums are quantized (once each); the inter-node bytes are
+  ``k`` quantized parts a rank instead of ``n``. With one node nothing is quantized.
 """
 from __future__ import annotations
 
@@ -26,12 +34,18 @@ import numpy as np
 import torch
 
 from ..options import options
-from ..primitives import allgather, alltoall, group_from_ranks
+from ..primitives import allgather, alltoall, group_from_ranks, reduce_scatter
+from ..reduce_ops import ReduceOp
 
 #: elements per quantization block (DeepSpeed's ZeRO++ default group size is 2048 too)
 DEFAULT_BLOCK = 2048
-#: the values of ``weight_quantization`` and ``gradient_quantization``
+#: the values of ``weight_quantization``
 QUANTIZATIONS = (None, "int8")
+#: the values of ``gradient_quantization``
+GRADIENT_QUANTIZATIONS = (None, "int8", "int4")
+#: the kernels' layout and the levels of each quantization
+KINDS = {"int8": "minmax_uint8", "int4": "minmax_int4"}
+LEVELS = {"int8": 255, "int4": 15}
 
 
 def _kernels() -> Any:
@@ -39,25 +53,31 @@ def _kernels() -> Any:
     return kernels
 
 
-def wire_nbytes(numel: int, block: int) -> int:
-    """Bytes one rank sends for ``numel`` elements quantized in blocks of ``block``."""
-    return _kernels().compressed_nbytes(numel, block)
+def wire_nbytes(numel: int, block: int, bits: str = "int8") -> int:
+    """Bytes one rank sends for ``numel`` elements quantized (``bits``) in blocks of
+    ``block``."""
+    return _kernels().compressed_nbytes(numel, block, KINDS[bits])
 
 
-def quantize(x: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` (1-D, floating point, any device) as one self-describing uint8 buffer."""
-    return _kernels().quantize_minmax_uint8(x.detach().contiguous(), block, out=out,
-                                            nonfinite="nan")
+def quantize(x: torch.Tensor, block: int, out: torch.Tensor | None = None,
+             bits: str = "int8") -> torch.Tensor:
+    """``x`` (1-D, floating point, any device) as one self-describing uint8 buffer
+    (``bits``: ``"int8"`` or ``"int4"``)."""
+    x = x.detach().contiguous()
+    if bits == "int4":
+        return _kernels().quantize_minmax_int4(x, block, out=out, nonfinite="nan")
+    return _kernels().quantize_minmax_uint8(x, block, out=out, nonfinite="nan")
 
 
 def dequantize(buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Float32 values of a buffer made by :func:`quantize`."""
-    return _kernels().dequantize_minmax_uint8(buf, out=out)
+    """Float32 values of a buffer made by :func:`quantize` (its header names the kind)."""
+    return _kernels().decompress(buf, out=out)
 
 
-def error_bound(x: torch.Tensor, block: int) -> torch.Tensor:
+def error_bound(x: torch.Tensor, block: int, bits: str = "int8") -> torch.Tensor:
     """Element-wise bound (float64, ``x``'s shape, 1-D) on ``|dequantize(quantize(x)) - x|``:
-    ``(hi - lo) / 510`` of the element's block plus 8 float32 ulps of ``max(|lo|, |hi|)``."""
+    ``(hi - lo) / (2 L)`` of the element's block (``L`` = 255 levels for int8, 15 for int4)
+    plus 8 float32 ulps of ``max(|lo|, |hi|)``."""
     v = x.detach().double().reshape(-1)
     n = v.numel()
     nb = -(-n // block)
@@ -66,7 +86,7 @@ def error_bound(x: torch.Tensor, block: int) -> torch.Tensor:
     hi = torch.nan_to_num(blocks, nan=-float("inf")).amax(1)
     lo = torch.nan_to_num(blocks, nan=float("inf")).amin(1)
     eps = torch.finfo(torch.float32).eps
-    per = (hi - lo) / 510.0 + 8 * eps * torch.maximum(hi.abs(), lo.abs())
+    per = (hi - lo) / (2.0 * LEVELS[bits]) + 8 * eps * torch.maximum(hi.abs(), lo.abs())
     return per.repeat_interleave(block)[:n]
 
 
@@ -132,36 +152,102 @@ def quantized_allgather(shard: torch.Tensor, group: Any, block: int,
     return gathered if async_op else gathered.result()
 
 
-def quantized_reduce_scatter(full: torch.Tensor, group: Any, block: int,
-                             average: bool = True) -> torch.Tensor:
-    """Reduce-scatter the 1-D floating-point ``full`` (``n * S`` elements on every rank):
-    returns this rank's ``S``-element part of the sum (``average``: the mean) over the
-    ranks, in ``full``'s dtype, each rank's part quantized once for the wire and decoded
-    and summed in float64 here. Blocking, collective (one ``alltoall`` of uint8)."""
-    n = group.size
-    part = full.numel() // n
-    parts = full.detach().reshape(n, part)
-    nbytes = wire_nbytes(part, block)
-    send = torch.empty(n, nbytes, dtype=torch.uint8, device=full.device)
+def _quantized_alltoall_sum(parts: torch.Tensor, group: Any, block: int,
+                            bits: str) -> torch.Tensor:
+    """Row ``j`` of ``parts`` (``group.size`` rows) quantized and sent to rank ``j``; the
+    float64 sum of the decoded rows this rank receives."""
+    n, part = parts.shape
+    send = torch.empty(n, wire_nbytes(part, block, bits), dtype=torch.uint8,
+                       device=parts.device)
     for j in range(n):
-        quantize(parts[j], block, out=send[j])
+        quantize(parts[j], block, out=send[j], bits=bits)
     recv = alltoall(send, group)
-    acc = torch.zeros(part, dtype=torch.float64, device=full.device)
+    acc = torch.zeros(part, dtype=torch.float64, device=parts.device)
     for i in range(n):
         acc += dequantize(recv[i]).double()
+    return acc
+
+
+def quantized_reduce_scatter(full: torch.Tensor, group: Any, block: int,
+                             average: bool = True, bits: str = "int8") -> torch.Tensor:
+    """Reduce-scatter the 1-D floating-point ``full`` (``n * S`` elements on every rank):
+    returns this rank's ``S``-element part of the sum (``average``: the mean) over the
+    ranks, in ``full``'s dtype, each rank's part quantized (``bits``) once for the wire and
+    decoded and summed in float64 here. Blocking, collective (one ``alltoall`` of uint8)."""
+    n = group.size
+    acc = _quantized_alltoall_sum(full.detach().reshape(n, -1), group, block, bits)
     if average:
         acc /= n
     return acc.to(full.dtype)
+
+
+class Hierarchy:
+    """The two tiers of a hierarchical reduce-scatter over ``group`` (collective over it):
+    :attr:`node` (this rank's node: ``COMMLIB_LOCAL_SIZE`` blocks of consecutive world
+    ranks when set, else the host; nodes of equal size ``m``) and :attr:`cross` (the ranks
+    with this rank's local index, one a node, in node order); :attr:`order` is the order of
+    the ``n`` parts in the intra-node reduce-scatter's input (local index major). Frees
+    both groups in :meth:`free`. ``ValueError`` on every rank when the nodes differ in
+    size."""
+
+    def __init__(self, group: Any, who: str = "gradient_hierarchy") -> None:
+        n = group.size
+        keys = _node_keys(group)
+        nodes = list(dict.fromkeys(int(v) for v in keys))   # by first group position
+        members = {v: [p for p in range(n) if keys[p] == v] for v in nodes}
+        sizes = {len(ps) for ps in members.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"FullyShardedDataParallel (rank {group.rank}): argument "
+                             f"'{who}'='node' needs nodes of equal size in the group, got "
+                             f"{sorted(len(ps) for ps in members.values())} ranks per node")
+        m = sizes.pop()
+        mine = members[int(keys[group.rank])]
+        local = mine.index(group.rank)
+        self.size, self.nodes, self.local_size = n, len(nodes), m
+        self.order = [members[v][l] for l in range(m) for v in nodes]
+        self.node = group_from_ranks([group.ranks[p] for p in mine], group)
+        self.cross = group_from_ranks([group.ranks[members[v][local]] for v in nodes], group)
+
+    def free(self) -> None:
+        self.node.free()
+        self.cross.free()
+
+
+def hierarchical_reduce_scatter(full: torch.Tensor, hierarchy: Hierarchy, block: int,
+                                average: bool = True, bits: str = "int8") -> torch.Tensor:
+    """:func:`quantized_reduce_scatter`'s result (this rank's part ``S`` of the sum or the
+    mean over the ``n`` ranks, ``full``'s dtype), in two tiers: a full-precision
+    ``reduce_scatter`` (SUM) of the reordered parts inside the node, then the quantized
+    ``alltoall`` of the node sums among :attr:`Hierarchy.cross`. Blocking, collective."""
+    n = hierarchy.size
+    parts = full.detach().reshape(n, -1)
+    node_sums = parts[hierarchy.order].reshape(-1)
+    if hierarchy.local_size > 1:
+        node_sums = reduce_scatter(node_sums, ReduceOp.SUM, hierarchy.node)
+    node_sums = node_sums.reshape(hierarchy.nodes, -1)
+    if hierarchy.nodes > 1:
+        acc = _quantized_alltoall_sum(node_sums, hierarchy.cross, block, bits)
+    else:
+        acc = node_sums[0].double()
+    if average:
+        acc /= n
+    return acc.to(full.dtype)
+
+
+def _node_keys(group: Any) -> np.ndarray:
+    """Per group position, a key naming its node (collective over ``group``)."""
+    k = options.local_size
+    me = group.ranks[group.rank]
+    key = me // k if k else zlib.crc32(socket.gethostname().encode())
+    return allgather(np.array([key], dtype=np.int64), group).reshape(-1)
 
 
 def node_group(group: Any) -> Any:
     """hpZ: the ranks of ``group`` on this rank's node (``COMMLIB_LOCAL_SIZE`` blocks of
     consecutive world ranks when set, else the host), as a group of their own; collective
     over ``group``. ``ValueError`` on every rank when the nodes differ in size."""
-    k = options.local_size
-    me = group.ranks[group.rank]
-    key = me // k if k else zlib.crc32(socket.gethostname().encode())
-    keys = allgather(np.array([key], dtype=np.int64), group).reshape(-1)
+    keys = _node_keys(group)
+    key = keys[group.rank]
     sizes = {int((keys == v).sum()) for v in keys}
     if len(sizes) != 1:
         raise ValueError(f"FullyShardedDataParallel (rank {group.rank}): argument "
@@ -171,17 +257,27 @@ def node_group(group: Any) -> Any:
 
 
 def quantization_blocks(strategy: str, weights: Any, grads: Any, block: Any,
-                  rank: int) -> tuple[int | None, int | None]:
+                        rank: int, hierarchy: Any = None) -> tuple[int | None, int | None]:
     """The block sizes of weight and gradient quantization (``None``: off), or
     ``ValueError`` naming the argument."""
     where = f"FullyShardedDataParallel (rank {rank}): argument"
-    for name, value in (("weight_quantization", weights), ("gradient_quantization", grads)):
-        if value not in QUANTIZATIONS:
-            raise ValueError(f"{where} '{name}' must be one of {list(QUANTIZATIONS)}, got "
+    for name, value, allowed in (("weight_quantization", weights, QUANTIZATIONS),
+                                 ("gradient_quantization", grads, GRADIENT_QUANTIZATIONS)):
+        if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
+            raise ValueError(f"{where} '{name}' must be one of {list(allowed)}, got "
                              f"{value!r}")
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1 << 24:
         raise ValueError(f"{where} 'quantization_block_size' must be an int in [1, 2**24], "
                          f"got {block!r}")
+    if grads == "int4" and block % 2:
+        raise ValueError(f"{where} 'quantization_block_size' must be even with "
+                         f"gradient_quantization='int4' (two codes a byte), got {block}")
+    if hierarchy not in (None, "node"):
+        raise ValueError(f"{where} 'gradient_hierarchy' must be None or 'node', got "
+                         f"{hierarchy!r}")
+    if hierarchy is not None and grads is None:
+        raise ValueError(f"{where} 'gradient_hierarchy' needs gradient_quantization "
+                         f"(the full-precision reduce-scatter is MPI's own), got None")
     if weights is not None and strategy != "FULL_SHARD":
         raise ValueError(f"{where} 'weight_quantization' needs sharding_strategy "
                          f"FULL_SHARD (the gathered weights of {strategy} would "

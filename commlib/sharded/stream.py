@@ -15,7 +15,7 @@ from torch import nn
 from ..primitives import allgather, allreduce, reduce_scatter
 from ..reduce_ops import ReduceOp
 from .chunks import Chunk
-from .quantized import quantized_reduce_scatter, start_allgather
+from .quantized import hierarchical_reduce_scatter, quantized_reduce_scatter, start_allgather
 
 # id(chunk.full) -> chunk, for every live wrapper: a saved-tensor hook of any wrapper
 # (nested forwards) recognizes any wrapper's parameters
@@ -92,6 +92,7 @@ class ChunkSchedule:
             # at once; each module waits for its own chunks in its pre-hook. Until then
             # the owners hold placeholders: a use elsewhere (a hook of a parent module)
             # waits for the chunk instead of reading memory MPI is still writing.
+            self._agree_stale()
             for i in self._order or range(len(self._chunks)):
                 c = self._chunks[i]
                 if c.shards == 1 and c.stale():
@@ -128,6 +129,19 @@ class ChunkSchedule:
                                   if i not in self._pinned}
                 self._order = self._order_rec
 
+    def _agree_stale(self) -> None:
+        """SHARD_GRAD_OP: a chunk whose shard changed on any rank is stale on every rank
+        (one ``allreduce`` of a flag a chunk): the ranks gather the same chunks even when
+        one rank's optimizer step failed or was skipped (its shard unchanged)."""
+        kept = [c for c in self._chunks if c.shards > 1]
+        if not kept:
+            return
+        flags = torch.tensor([int(c.stale()) for c in kept], dtype=torch.int32)
+        self._run(allreduce, flags, ReduceOp.MAX, self.process_group)
+        for c, flag in zip(kept, flags.tolist()):
+            if flag:
+                c.gathered = False   # (kept memory: only marked for a new gather)
+
     def _request(self, c: Chunk) -> None:
         """Start gathering chunk ``c`` (if it is stale and not already under way). A kept
         chunk (SHARD_GRAD_OP) is received in place (its shard, a slice of it, is sent from
@@ -143,9 +157,13 @@ class ChunkSchedule:
             out = pool.pop() if pool else torch.empty(c.padded, dtype=c.compute_dtype,
                                                       device=c.device)
         secondary = self._secondary.get(c.index)
-        if secondary is not None and secondary[1] == c.shard._version:
+        if secondary is not None and secondary[1] == c.shard._version and \
+                not self._in_forward:
             # hpZ: this node's copy of the chunk (what the forward's gather decoded), from
-            # the node's ranks only
+            # the node's ranks only; in backward only, where every rank's copy is of this
+            # step's forward (a forward's own test, "my shard is unchanged", is this rank's
+            # alone: one whose step failed or was skipped would gather over the node while
+            # the others gather over the group)
             future = self._gather_engine.submit(allgather, secondary[0], self._node_group,
                                                 True, out)
         elif self._weight_block and c.shard.is_floating_point() and not c.keep_full:
@@ -257,8 +275,13 @@ class ChunkSchedule:
             return allreduce(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
         if self._grad_block and grad.is_floating_point():
             # qgZ: quantized parts through one alltoall, decoded and summed in float64
+            # (hierarchical: reduced inside the node first, in full precision)
+            if self._hierarchy is not None:
+                return hierarchical_reduce_scatter(grad.reshape(-1), self._hierarchy,
+                                                   self._grad_block,
+                                                   bits=self.gradient_quantization)
             return quantized_reduce_scatter(grad.reshape(-1), self._reduce_group,
-                                            self._grad_block)
+                                            self._grad_block, bits=self.gradient_quantization)
         return reduce_scatter(grad, ReduceOp.AVG, self._reduce_group, async_op=True)
 
     def _end_backward(self) -> None:
