@@ -93,12 +93,7 @@ def shutdown() -> None:
         for pid in sorted(st.controllers, reverse=True):
             st.controllers[pid].close()
     finally:
-        for ps in st.process_sets.values():
-            if ps is not global_process_set:
-                ps._invalidate()
-        state.current = None
-        from .controller import forget_handles
-        forget_handles()
+        _forget(st)
 
 
 def abandon() -> None:
@@ -112,12 +107,18 @@ def abandon() -> None:
         for ctrl in st.controllers.values():
             ctrl.abandon()
     finally:
-        for ps in st.process_sets.values():
-            if ps is not global_process_set:
-                ps._invalidate()
-        state.current = None
-        from .controller import forget_handles
-        forget_handles()
+        _forget(st)
+
+
+def _forget(st) -> None:
+    """The end of :func:`shutdown` and :func:`abandon`: the process sets are invalid and no
+    handle is known any more."""
+    for ps in st.process_sets.values():
+        if ps is not global_process_set:
+            ps._invalidate()
+    state.current = None
+    from .controller import forget_handles
+    forget_handles()
 
 
 def is_initialized() -> bool:
