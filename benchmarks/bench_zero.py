@@ -43,6 +43,65 @@ import _common as C  # noqa: E402
 from models import WideMLP  # noqa: E402
 
 
+class Block(torch.nn.Module):
+    """A pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (causal
+    self-attention through ``scaled_dot_product_attention``, GELU MLP of 4 d_model)."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d_model), torch.nn.LayerNorm(d_model)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.fc1 = torch.nn.Linear(d_model, 4 * d_model)
+        self.fc2 = torch.nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TransformerStack(torch.nn.Module):
+    """``depth`` pre-LN blocks on (batch, seq, d_model) inputs, a final LayerNorm, the mean
+    over positions and a 10-class head (the blocks are the units FSDP2 shards)."""
+
+    def __init__(self, d_model: int = 256, heads: int = 4, depth: int = 4,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d_model, heads) for _ in range(depth))
+        self.ln = torch.nn.LayerNorm(d_model)
+        self.head = torch.nn.Linear(d_model, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x).mean(dim=1))
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.model == "transformer":
+        return TransformerStack(args.d_model, args.heads, args.depth)
+    return WideMLP(d_in=args.d_in, width=args.width, depth=args.depth)
+
+
+def fsdp2_units(m: torch.nn.Module) -> list[torch.nn.Module]:
+    """What torch's fully_shard wraps before the root: each Linear (WideMLP), each block."""
+    if isinstance(m, TransformerStack):
+        return list(m.blocks)
+    return [layer for layer in m.net if isinstance(layer, torch.nn.Linear)]
+
+
+def describe(args: argparse.Namespace) -> str:
+    if args.model == "transformer":
+        return (f"transformer: {args.depth} pre-LN blocks, d_model {args.d_model}, "
+                f"{args.heads} heads, seq {args.seq}")
+    return f"WideMLP d_in={args.d_in} width={args.width} depth={args.depth}"
+
+
 def slowest(seconds: float) -> float:
     return float(commlib.allreduce(np.array([seconds]), op="max")[0])
 
@@ -83,7 +142,7 @@ class Contender:
 def contenders(args: argparse.Namespace) -> list[Contender]:
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
-        return WideMLP(d_in=args.d_in, width=args.width, depth=args.depth)
+        return build_model(args)
 
     def adam(params: Any) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=1e-4)
@@ -131,9 +190,8 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for stage, reshard in ((2, False), (3, True)):
             m = model()
-            for layer in m.net:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            for unit in fsdp2_units(m):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
             o = adam(m.parameters())
             out.append(Contender(f"torch FSDP2 reshard={reshard} (gloo)", stage, m, o,
@@ -166,6 +224,10 @@ def formula(stage: int, psi: int, n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    ap.add_argument("--d-model", type=int, default=256, help="transformer width")
+    ap.add_argument("--heads", type=int, default=4, help="transformer heads")
+    ap.add_argument("--seq", type=int, default=64, help="transformer sequence length")
     ap.add_argument("--d-in", type=int, default=256)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
@@ -190,7 +252,8 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, n = commlib.get_rank(), commlib.get_world_size()
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.d_in, generator=g)
+    x = (torch.randn(args.batch, args.seq, args.d_model, generator=g)
+         if args.model == "transformer" else torch.randn(args.batch, args.d_in, generator=g))
     y = torch.randint(0, 10, (args.batch,), generator=g)
     if args.zeropp:
         return zeropp(args, x, y)
@@ -198,8 +261,8 @@ def main() -> None:
         import bench_zero_breakdown as B
         results = B.run(lambda: contenders(args), x, y, args.warmup, args.steps)
         if rank == 0:
-            print(f"\nStep-time breakdown, WideMLP d_in={args.d_in} width={args.width} "
-                  f"depth={args.depth}, Adam, {n} ranks, batch {args.batch}/rank, chunks "
+            print(f"\nStep-time breakdown, {describe(args)}, Adam, {n} ranks, batch "
+                  f"{args.batch}/rank, chunks "
                   f"{args.chunk_mb} MiB: ms per step, mean over {args.steps} steps and the "
                   f"ranks\n")
             print(B.table(results))
@@ -208,7 +271,7 @@ def main() -> None:
                                          "breakdown_ms": results})
         return
     runs = contenders(args)
-    psi = sum(p.numel() for p in WideMLP(args.d_in, args.width, args.depth).parameters())
+    psi = sum(p.numel() for p in build_model(args).parameters())
     bus: dict[str, float] = {}
     memory: dict[str, dict] = {}
     for c in runs:
@@ -232,7 +295,7 @@ def main() -> None:
     if rank != 0:
         return
     base_bus = bus["commlib DDP"]
-    print(f"\nWideMLP d_in={args.d_in} width={args.width} depth={args.depth}: psi = {psi:,} "
+    print(f"\n{describe(args)}: psi = {psi:,} "
           f"parameters (fp32), Adam, {n} ranks, batch {args.batch}/rank, "
           f"chunks {args.chunk_mb} MiB\n")
     print("| stage | contender | params | grads | optim state | total | ZeRO formula | "
@@ -282,7 +345,7 @@ def zeropp(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> None:
     rows = []
     for name, kw in ZEROPP:
         torch.manual_seed(0)
-        m = commlib.FullyShardedDataParallel(WideMLP(args.d_in, args.width, args.depth),
+        m = commlib.FullyShardedDataParallel(build_model(args),
                                              "FULL_SHARD", chunk_size_mb=args.chunk_mb, **kw)
         opt = torch.optim.Adam(m.parameters(), lr=1e-3)
 
