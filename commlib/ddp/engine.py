@@ -20,19 +20,25 @@ from typing import Any, Callable
 from .. import shutdown
 
 
-def drive(result: Any) -> Any:
-    """Complete the Work handle(s) a job returned; return the job's result unchanged."""
+def drive(result: Any, poll_s: float = 0.0) -> Any:
+    """Complete the Work handle(s) a job returned; return the job's result unchanged
+    (``poll_s > 0``: test and sleep between tests, ``Work.wait(poll_s)``)."""
     for work in result if isinstance(result, (list, tuple)) else [result]:
         if hasattr(work, "wait"):
-            work.wait()
+            work.wait(poll_s) if poll_s else work.wait()
     return result
 
 
 class Engine:
-    """FIFO executor on one daemon thread (or inline when ``threaded`` is False)."""
+    """FIFO executor on one daemon thread (or inline when ``threaded`` is False).
+    ``poll_s > 0``: the thread waits for a job's Work handles by testing them and sleeping
+    ``poll_s`` between tests instead of blocking in MPI (whose wait spins): for ranks that
+    outnumber the cores, where a spinning wait takes the core from the compute."""
 
-    def __init__(self, threaded: bool, name: str = "commlib-comm") -> None:
+    def __init__(self, threaded: bool, name: str = "commlib-comm",
+                 poll_s: float = 0.0) -> None:
         self.threaded = threaded
+        self.poll_s = float(poll_s)
         self._name = name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -44,7 +50,7 @@ class Engine:
             raise RuntimeError("commlib: the communication engine was closed")
         future: Future = Future()
         if not self.threaded:
-            _run(future, fn, args)
+            _run(future, fn, args, self.poll_s)
             return future
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
@@ -58,7 +64,7 @@ class Engine:
             item = self._queue.get()
             if item is None:
                 return
-            _run(*item)
+            _run(*item, self.poll_s)
             del item  # idle, keep nothing of the last job (it may hold its owner, a wrapper)
 
     def close(self, timeout: float | None = None) -> bool:
@@ -85,10 +91,10 @@ class Engine:
         return f"<commlib.Engine {self._name!r}{' closed' if self._closed else ''}>"
 
 
-def _run(future: Future, fn: Callable[..., Any], args: tuple) -> None:
+def _run(future: Future, fn: Callable[..., Any], args: tuple, poll_s: float = 0.0) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:
-        future.set_result(drive(fn(*args)))
+        future.set_result(drive(fn(*args), poll_s))
     except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
         future.set_exception(exc)
