@@ -153,29 +153,37 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
     out.append(Contender("commlib DDP", 0, m, o, lambda m=m, o=o: {
         "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
         "optim": optim_state(o)}))
-    m = commlib.DistributedDataParallel(model())
-    o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
-    out.append(Contender("commlib DDP+ZeRO-1", 1, m, o, lambda m=m, o=o: {
-        "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
-        "optim": optim_state(o.optim)}))
-    # stage 1 at allreduce's bytes: no DDP, bucketed reduce-scatter in backward (the local
-    # flats of values and gradients, 2 x psi/N, counted with params and grads)
-    m = model()
-    o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4,
-                                        reduce_gradients=True)
-    out.append(Contender("commlib ZeRO-1 reduce_gradients", 1, m, o, lambda m=m, o=o: {
-        "params": nbytes(list(m.parameters()) + o._values),
-        "grads": nbytes([p.grad for p in m.parameters()] + o._grads),
-        "optim": optim_state(o.optim)}))
-    for stage, strategy in ((2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")):
-        m = commlib.FullyShardedDataParallel(model(), strategy, chunk_size_mb=args.chunk_mb)
-        o = adam(m.parameters())
+    from commlib.sharded import groups
+    waits = {"auto": [None], "spin": [0.0], "poll": [50e-6], "both": [0.0, 50e-6]}[args.wait]
+    for wait in waits:
+        # how the sharded wrappers' threads wait for MPI (groups.wait_poll_s; auto: poll
+        # when this node's ranks outnumber its cores)
+        groups.WAIT_POLL_S = wait
+        tag = "" if len(waits) == 1 else (" [spin]" if wait == 0 else " [poll]")
+        m = commlib.DistributedDataParallel(model())
+        o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
+        out.append(Contender("commlib DDP+ZeRO-1" + tag, 1, m, o, lambda m=m, o=o: {
+            "params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
+            "optim": optim_state(o.optim)}))
+        # stage 1 at allreduce's bytes: no DDP, bucketed reduce-scatter in backward (the local
+        # flats of values and gradients, 2 x psi/N, counted with params and grads)
+        m = model()
+        o = commlib.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4,
+                                            reduce_gradients=True)
+        out.append(Contender("commlib ZeRO-1 reduce_gradients" + tag, 1, m, o, lambda m=m, o=o: {
+            "params": nbytes(list(m.parameters()) + o._values),
+            "grads": nbytes([p.grad for p in m.parameters()] + o._grads),
+            "optim": optim_state(o.optim)}))
+        for stage, strategy in ((2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")):
+            m = commlib.FullyShardedDataParallel(model(), strategy, chunk_size_mb=args.chunk_mb)
+            o = adam(m.parameters())
 
-        def mem(m=m, o=o) -> dict:
-            got = m.memory_bytes(reset_peak=True)
-            return {"params": got["params"], "grads": got["grads"], "optim": optim_state(o),
-                    "peak_gathered": got["peak_gathered"]}
-        out.append(Contender(f"commlib FSDP {strategy}", stage, m, o, mem))
+            def mem(m=m, o=o) -> dict:
+                got = m.memory_bytes(reset_peak=True)
+                return {"params": got["params"], "grads": got["grads"], "optim": optim_state(o),
+                        "peak_gathered": got["peak_gathered"]}
+            out.append(Contender(f"commlib FSDP {strategy}{tag}", stage, m, o, mem))
+    groups.WAIT_POLL_S = None
     if "torch" in args.peers:
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -239,6 +247,9 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=1024.0,
                     help="per-rank memory budget for the largest-model column")
     ap.add_argument("--peers", default="torch", help="'torch' or 'none'")
+    ap.add_argument("--wait", choices=("auto", "spin", "poll", "both"), default="auto",
+                    help="how the sharded contenders' communication threads wait for MPI "
+                         "(commlib.sharded.groups.WAIT_POLL_S); both: each contender twice")
     ap.add_argument("--json", default=None)
     ap.add_argument("--breakdown", action="store_true",
                     help="only the step-time breakdown of each contender (phases, waits, "

@@ -45,7 +45,7 @@ from . import nesting
 from . import state as _state
 from .chunks import Chunk, detach_parameters, owned_chunks, plan, scope
 from .config import ShardingStrategy, check_layout, mixed_precision_dtype, strategy_of
-from .groups import resolve_group
+from .groups import resolve_group, wait_poll_s
 from .quantized import DEFAULT_BLOCK, Hierarchy, node_group, quantization_blocks
 from .stream import FULLS, ChunkSchedule
 from .utilities import WrapperUtilities, broadcast_coalesced, full_chunk
@@ -233,10 +233,11 @@ class FullyShardedDataParallel(ChunkSchedule, WrapperUtilities, nn.Module):
         if not threaded:
             warnings.warn("commlib: MPI lacks MPI_THREAD_MULTIPLE; gradient exchange will not "
                           "overlap with backward", RuntimeWarning, stacklevel=3)
-        self._engine = Engine(threaded, name="commlib-fsdp")
+        poll_s = wait_poll_s()
+        self._engine = Engine(threaded, name="commlib-fsdp", poll_s=poll_s)
         # Gathers run on a thread of their own (so a prefetched chunk arrives while the
         # caller computes), in the order the caller requests them, identical on every rank.
-        self._gather_engine = Engine(threaded, name="commlib-fsdp-gather")
+        self._gather_engine = Engine(threaded, name="commlib-fsdp-gather", poll_s=poll_s)
         self._inflight: dict[int, tuple[Any, int]] = {}   # chunk -> (future, shard version)
         # hpZ: chunk -> (this rank's slice of the node's copy, shard version it was made at)
         self._secondary: dict[int, tuple[torch.Tensor, int]] = {}

@@ -2,6 +2,7 @@
 (its ranks) or ``None`` (the world)."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .. import runtime
@@ -23,3 +24,20 @@ def resolve_group(group: Any, who: str) -> Any:
     raise TypeError(f"{who} (rank {runtime.get_rank()}): argument 'group' must be None, a "
                     f"commlib.Group or a torch.distributed.ProcessGroup, got "
                     f"{type(group).__name__}")
+
+
+# How the sharded front-ends' communication threads wait for MPI (Engine's poll_s):
+# None = decide per wrapper at construction (below); a number forces it (0: block in MPI).
+WAIT_POLL_S: float | None = None
+
+
+def wait_poll_s() -> float:
+    """Seconds between tests while a communication thread waits for a collective: 50 us
+    when this node's ranks outnumber its cores (a blocking MPI wait spins and takes the
+    core from a rank's compute: measured in benchmarks/README.md, bench_zero.py), else 0
+    (block in MPI). The pipeline executor's rule; ``WAIT_POLL_S`` overrides it. Decided
+    from the node's rank count, the same on every rank of a node (and it changes only
+    how a rank waits, not what it sends)."""
+    if WAIT_POLL_S is not None:
+        return float(WAIT_POLL_S)
+    return 50e-6 if runtime.get_local_size() > (os.cpu_count() or 1) else 0.0

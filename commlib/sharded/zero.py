@@ -31,7 +31,7 @@ from ..primitives import allgather, allreduce, broadcast, gather, new_group, red
 from ..reduce_ops import ReduceOp
 from . import flat_partition as fp
 from . import zero_state
-from .groups import resolve_group
+from .groups import resolve_group, wait_poll_s
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -123,7 +123,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if self.reduce_gradients and not threaded:
                 warnings.warn("commlib: MPI lacks MPI_THREAD_MULTIPLE; gradient exchange will "
                               "not overlap with backward", RuntimeWarning, stacklevel=2)
-            self._engine = Engine(threaded, name="commlib-zero")
+            self._engine = Engine(threaded, name="commlib-zero", poll_s=wait_poll_s())
             self._partition()
             self.optim = self._local_optimizer()
             if self.reduce_gradients:
