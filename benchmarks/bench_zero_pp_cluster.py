@@ -78,6 +78,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, n = commlib.get_rank(), commlib.get_world_size()
     local_rank, local_size = _node(MPI.COMM_WORLD)
+    from commlib.sharded import groups
+    # the emulated nodes share this host's cores: a wrapper sees only its node's ranks,
+    # so decide the wait (commlib.sharded.groups.wait_poll_s) from the whole job here
+    groups.WAIT_POLL_S = {"spin": 0.0, "poll": 50e-6}.get(
+        args.wait, 50e-6 if n > (os.cpu_count() or 1) else 0.0)
     cfg = gpt.Config(d_model=args.d_model, layers=args.layers, heads=args.heads,
                      context=args.context)
     data = gpt.corpus(max_bytes=args.max_bytes)
@@ -165,7 +170,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 def passthrough(args: argparse.Namespace) -> list[str]:
     keys = ("d_model", "layers", "heads", "context", "batch", "steps", "warmup", "lr",
-            "chunk_mb", "max_bytes", "val_windows", "configs")
+            "chunk_mb", "max_bytes", "val_windows", "configs", "wait")
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 
@@ -208,6 +213,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--val-windows", type=int, default=64)
     ap.add_argument("--configs", default=",".join(key for key, _, _ in CONFIGS),
                     help="keys among " + ", ".join(f"{k} ({n})" for k, n, _ in CONFIGS))
+    ap.add_argument("--wait", choices=("auto", "spin", "poll"), default="auto",
+                    help="how the wrappers' threads wait for MPI (auto: poll when the job's "
+                         "ranks outnumber this host's cores)")
     ap.add_argument("--timeout", type=float, default=1200.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -284,3 +284,28 @@ def test_mixed_precision_casts_keyword_inputs():
     out = fsdp(torch.ones(3, 4, dtype=torch.float64), scale=torch.tensor(2.0, dtype=torch.float64))
     assert out.dtype == torch.float32
     fsdp.close()
+
+
+def test_threads_poll_when_ranks_outnumber_cores(monkeypatch):
+    """The sharded wrappers' communication threads test-and-sleep (50 us) instead of
+    spinning in MPI when the node's ranks outnumber its cores (bench_zero.py --wait both:
+    at 4 ranks on 2 cores FULL_SHARD's step halved), and block in MPI otherwise."""
+    import os
+    from commlib.sharded import groups
+    cores = os.cpu_count() or 1
+    for local, expected in ((cores + 1, 50e-6), (cores, 0.0)):
+        monkeypatch.setattr(groups.runtime, "get_local_size", lambda local=local: local)
+        assert groups.wait_poll_s() == expected, (local, cores)
+        model = make_model()
+        fsdp = commlib.FullyShardedDataParallel(model, "FULL_SHARD", chunk_size_mb=CHUNK_MB)
+        zero = commlib.ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.SGD,
+                                               lr=0.1)
+        try:
+            assert fsdp._engine.poll_s == fsdp._gather_engine.poll_s == expected
+            assert zero._engine.poll_s == expected
+        finally:
+            fsdp.close()
+            zero.close()
+    monkeypatch.setattr(groups, "WAIT_POLL_S", 0.0)
+    monkeypatch.setattr(groups.runtime, "get_local_size", lambda: cores + 1)
+    assert groups.wait_poll_s() == 0.0
