@@ -4,6 +4,8 @@ bytes per step against the allreduce baseline, and step time against torch's
 
     mpiexec -n 2 python benchmarks/bench_zero.py [--width 512 --depth 4 --json out.json]
     mpiexec -n 4 python benchmarks/bench_zero.py --breakdown --steps 20   # where time goes
+    mpiexec -n 4 python benchmarks/bench_zero.py --model transformer --batch 1 --chunk-mb 4 \
+        --wait both --reps 7 --steps 2   # a pre-LN block stack; spinning vs polling waits
 
 Stages, all fp32 Adam (K = 8 bytes of state per parameter) on the same WideMLP:
   0  commlib.DistributedDataParallel + torch.optim.Adam
