@@ -9,7 +9,9 @@
 #
 # Needs root (network namespaces, tc); without it the jobs run unshaped and say so.
 # Settings (benchmarks/README.md, "GPT time to accuracy", says why these): override any
-# of them from the environment, e.g. BUDGET_MIN=20 SEEDS=0,1 benchmarks/run_tta_gpt.sh
+# of them from the environment, e.g. BUDGET_MIN=20 SEEDS=0,1 benchmarks/run_tta_gpt.sh;
+# RESUME=1 runs the grid in pieces: each call keeps the jobs already done (OUT's
+# tta_gpt_grid.json), runs what its own BUDGET_MIN holds, and renders everything so far
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -41,6 +43,7 @@ export COMMLIB_TIMEOUT=${COMMLIB_TIMEOUT:-300}
 exec flock /tmp/commlib-bench.lock "$PYTHON" benchmarks/bench_time_to_accuracy_grid.py \
     --budget-min "$BUDGET_MIN" --shapes "$SHAPES" --rates "$RATES" \
     --extra-rates "$EXTRA_RATES" --seeds "$SEEDS" --out "$OUT" ${README:+--readme "$README"} \
+    ${RESUME:+--resume} \
     -- --gpt-size "$SIZE" --epochs "$EPOCHS" --gpt-steps-per-epoch "$STEPS_PER_EPOCH" \
     --batch "$BATCH" --gpt-lr "$LR" --eval-every "$EVAL_EVERY" --gpt-eval-windows "$EVAL_WINDOWS" --algorithms "$ALGORITHMS" \
     --timeout 900

@@ -119,3 +119,27 @@ def test_grid_skips_what_the_budget_cannot_hold(tmp_path, monkeypatch):
     generous = G.argparse.Namespace(**{**vars(args), "budget_min": 10.0})
     again = G.run_grid(generous, [])
     assert not again["skipped"] and len(again["done"]) == 2 and len(again["failed"]) == 2
+
+
+def test_grid_resume_keeps_done_jobs_and_runs_the_rest(tmp_path, monkeypatch):
+    """A grid in pieces: the first piece's budget holds one job; the resumed piece keeps
+    it (its JSON exists: not run again), runs the rest and adds the times up. Without
+    --resume the same call starts over (the control)."""
+    job = tmp_path / "job.py"
+    job.write_text("import sys, time\ntime.sleep(0.3)\n"
+                   "open(sys.argv[sys.argv.index('--json') + 1], 'a').write('x\\n')\n")
+    monkeypatch.setattr(G, "BENCH", str(job))
+    args = G.argparse.Namespace(out=str(tmp_path), budget_min=0.2 / 60, margin=1.1,
+                                shapes="2x2,4x1", rates="1000", seeds="0",
+                                no_calibrate=True, extra_rates="", verbose=False,
+                                resume=True)
+    first = G.run_grid(args, [])
+    assert [j["shape"] for j in first["done"]] == ["2x2"] and first["skipped"], first
+    more = G.argparse.Namespace(**{**vars(args), "budget_min": 10.0})
+    second = G.run_grid(more, [])
+    assert [j["shape"] for j in second["done"]] == ["2x2", "4x1"], second
+    assert second["pieces"] == 2 and second["grid_s"] > first["grid_s"], second
+    part = tmp_path / "tta_gpt_parts" / "2x2_1000_0.json"
+    assert part.read_text() == "x\n", "the done job ran again on --resume"
+    fresh = G.run_grid(G.argparse.Namespace(**{**vars(more), "resume": False}), [])
+    assert len(fresh["done"]) == 2 and part.read_text() == "x\nx\n", fresh
