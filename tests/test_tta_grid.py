@@ -77,7 +77,9 @@ def test_headline_and_cost_model_markdown_come_from_the_runs(tmp_path):
 
 def test_async_model_average_in_steps_on_the_gpt():
     assert contender("async_model_average", "gpt")[1] == {"sync_every_steps": 4,
-                                                          "warmup_steps": 72}
+                                                          "warmup_steps": "epoch"}
+    assert contender("local_sgd", "gpt")[1] == {"sync_every": 2}
+    assert contender("local_sgd", "mlp")[1] == {"sync_every": 4}
     assert contender("powersgd", "gpt", ["powersgd.rank=2"])[1]["rank"] == 2
     assert contender("powersgd", "mlp", ["diloco.sync_every=2"])[1]["rank"] == 4
     with pytest.raises(ValueError, match="--set"):
