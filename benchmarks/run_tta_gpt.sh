@@ -26,7 +26,8 @@ SHAPES=${SHAPES:-2x2,4x1}
 RATES=${RATES:-1000,100}
 EXTRA_RATES=${EXTRA_RATES-10000}   # seed 0, only if the budget still allows
 SEEDS=${SEEDS:-0,1,2}
-BUDGET_MIN=${BUDGET_MIN:-14}              # one locked piece; RESUME=1 for the next
+BUDGET_MIN=${BUDGET_MIN:-15}       # one locked piece; RESUME=1 for the next
+MARGIN=${MARGIN:-1.05}             # a job starts if used + longest job x this fits
 # the relaxations, the synchronous reference (it sets the target) and torch DDP; left
 # out for time on 2 cores (README: gradient_allreduce_hier, torch_ddp_powersgd, the control)
 ALGORITHMS=${ALGORITHMS:-gradient_allreduce,bytegrad,local_sgd,async_model_average,diloco,streaming_diloco,powersgd,torch_ddp_gloo}
@@ -44,7 +45,7 @@ fi
 
 export COMMLIB_TIMEOUT=${COMMLIB_TIMEOUT:-300}
 exec flock /tmp/commlib-bench.lock "$PYTHON" benchmarks/bench_time_to_accuracy_grid.py \
-    --budget-min "$BUDGET_MIN" --shapes "$SHAPES" --rates "$RATES" \
+    --budget-min "$BUDGET_MIN" --margin "$MARGIN" --shapes "$SHAPES" --rates "$RATES" \
     --extra-rates "$EXTRA_RATES" --seeds "$SEEDS" --out "$OUT" ${README:+--readme "$README"} \
     ${RESUME:+--resume} \
     -- --gpt-size "$SIZE" --epochs "$EPOCHS" --gpt-steps-per-epoch "$STEPS_PER_EPOCH" \

@@ -145,3 +145,18 @@ def test_grid_resume_keeps_done_jobs_and_runs_the_rest(tmp_path, monkeypatch):
     assert part.read_text() == "x\n", "the done job ran again on --resume"
     fresh = G.run_grid(G.argparse.Namespace(**{**vars(more), "resume": False}), [])
     assert len(fresh["done"]) == 2 and part.read_text() == "x\nx\n", fresh
+
+
+def test_report_prints_a_panel_without_the_synchronous_run(capsys):
+    """An exploration run without gradient_allreduce (--algorithms local_sgd,diloco ...)
+    has no target: the console report says so instead of raising (it did: TypeError)."""
+    from bench_time_to_accuracy_report import report, summarize
+    with open(SMOKE) as fh:
+        result = json.load(fh)
+    for panel in result["panels"].values():
+        for run in panel["runs"]:
+            run["contenders"].pop("gradient_allreduce")
+        panel["summary"] = summarize(panel["runs"])
+    report(result)
+    out = capsys.readouterr().out
+    assert "none (no gradient_allreduce run)" in out and "diloco" in out, out
