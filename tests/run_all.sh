@@ -16,8 +16,17 @@ PYTEST=(python -m pytest -q --tb=short -rfE)
 segments() { ls /dev/shm 2>/dev/null | grep '^mpich_' | sort || true; }
 shm_before="$(segments)"
 status=0
-echo "=== 1 rank: all tests but the fault matrix"
-timeout 1500 "${PYTEST[@]}" --with-mpi -m "not fault_matrix" tests || status=1
+# The 1-rank phase is mostly jobs the tests launch (mpiexec, torchrun, srun), which wait as
+# much as they compute: two test files run at a time (pytest-xdist, whole files per worker;
+# the tests isolate their jobs by tag, port, namespace and temp dir). TEST_WORKERS=0 runs
+# them one at a time.
+WORKERS="${TEST_WORKERS:-2}"
+XDIST=()
+if [ "$WORKERS" != 0 ] && python -c "import xdist" 2>/dev/null; then
+  XDIST=(-n "$WORKERS" --dist loadfile)
+fi
+echo "=== 1 rank: all tests but the fault matrix (${XDIST[*]:-one file at a time})"
+timeout 1500 "${PYTEST[@]}" --with-mpi -m "not fault_matrix" "${XDIST[@]}" tests || status=1
 echo "=== fault matrix (algorithm x fault x 2, 3 ranks)"
 timeout 1500 "${PYTEST[@]}" -m fault_matrix tests || status=1
 # Only the files that hold `mpi`-marked tests: every rank of every run collects what it is

@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 LAYERS = [
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
      "mpi_env", "shutdown", "shm", "launch"},
-    {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "agreement"},
+    {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "failure_detection",
+     "agreement"},
     {"primitives", "timeline", "topology"},
     {"algorithms"},
     {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",

@@ -30,6 +30,7 @@ ready every rank reduces the gathered bytes itself, in rank order, so such an al
 costs one allgather in all. **The common round** - every rank announced exactly the same
 thing and nothing else is outstanding (the same decision on every rank: it compares the
 gathered slots) - skips the table: its items are ready and agree.
+(The blocking tiny allreduce's express lane is :mod:`commlib.horovod.express`.)
 
 **Threads.** With ``MPI_THREAD_MULTIPLE`` the rounds and the data collectives run on the
 controller's own thread, so ``*_async`` operations really proceed while the caller
@@ -49,13 +50,11 @@ counters) restart from 0 there, on every rank.
 """
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from typing import Any, Optional
 
 import numpy as np
-from torch import from_numpy as torch_from_numpy
 
 from .. import runtime, shutdown as _shutdown
 from ..options import options
@@ -64,18 +63,15 @@ from ..watchdog import abort_job
 from ..primitives import allgather, new_group
 from . import state as _state
 from . import wire
-from .execute import (_NP_COMBINE, _np_scale, check, inline_allreduce, post_factor,
-                      run)
+from .execute import check, inline_allreduce, run
+from .express import _LENGTH, SLOT_BYTES, ExpressLane
 from .requests import (HorovodInternalError, Request, _tls, call,  # noqa: F401 (re-exported)
                        forget_handles, new_handle, poll, synchronize)
 
-SLOT_BYTES = 512
-_LENGTH = struct.Struct("<I")
-_CID = struct.Struct("<I")
 CACHE_CAPACITY = 1 << 14
 
 
-class Controller:
+class Controller(ExpressLane):
     """Negotiation and execution for one process set (see the module docstring). Built on
     every rank of the Horovod world (collective over it: two commlib groups of the set's
     ranks); non-members get an inert controller."""
@@ -194,101 +190,6 @@ class Controller:
         with self._driving:
             while not req.done:
                 self._round()
-
-    # -- the express lane (caller's thread) ------------------------------------------------
-    def express(self, tensor: Any, name: Any, ent: tuple, out: Any) -> Any:
-        """A blocking tiny allreduce (``ent``: its memoized metadata, see
-        :func:`commlib.horovod.ops.express_entry`) in one round driven right here, when
-        this rank has nothing else outstanding; ``NotImplemented`` (nothing done, no name
-        taken) when it has. The round is the general one - the same slot bytes as
-        :meth:`_round` would send - so ranks in a general round (joined, other pending
-        names, a different name, shape, dtype or op) see an ordinary announcement, and
-        this rank falls back to the general processing when the gathered slots are not
-        all equal to its own: a disagreement raises on every rank as ever.
-        ``out``: the tensor to write the result into (in place), or None for a new one."""
-        if not self._driving.acquire(False):
-            return NotImplemented
-        try:
-            if (self.unannounced or self.pending or self.table or self.joined
-                    or self.stopping or self.closed or self.join_req is not None):
-                return NotImplemented
-            meta, nbytes, npdt, mb, shape = ent
-            if name is None:
-                kind = "allreduce"
-                k = self.counters.get(kind, 0)
-                self.counters[kind] = k + 1
-                name = f"allreduce.noname.{k}"
-                cid = None   # automatic names are never cached
-            else:
-                if name.__class__ is not str:
-                    name = str(name)
-                cid = self.my_cache.get((name, meta))
-            data = (tensor.detach() if tensor.requires_grad else tensor).numpy().tobytes()
-            if cid is None:
-                ann = wire.announcement(name, mb)
-                body = b"".join((wire.HEADER.pack(0, 0, len(ann)), ann, data))
-            else:
-                body = b"".join((wire.HEADER.pack(0, 1, 0), _CID.pack(cid), data))
-            n = len(body)
-            slot = self._slot_view
-            _LENGTH.pack_into(slot, 0, n)
-            slot[4:4 + n] = body
-            work = allgather(self._slot, group=self.neg, async_op=True, out=self._rows)
-            rows = self._rows
-            if not work.is_completed():
-                work.wait()
-            self.rounds += 1
-            size, o = self.size, 4 + n - nbytes
-            rb = rows.tobytes()
-            head = rb[self.rank * SLOT_BYTES:self.rank * SLOT_BYTES + o]
-            common = True
-            for r in range(size):
-                if rb[r * SLOT_BYTES:r * SLOT_BYTES + o] != head:
-                    common = False
-                    break
-            if common:
-                if cid is None:
-                    self._cache_id(name, [meta] * size, None, meta)
-                x = rows[:, o:o + nbytes].view(npdt)
-                _, op, pre, post, _ = meta
-                if pre != 1.0:
-                    x = x.copy()
-                    _np_scale(x, pre)
-                if op <= 1 and size > 1:   # Average, Sum: rank order, as inline_allreduce
-                    acc = x[0] + x[1]
-                    for r in range(2, size):
-                        acc += x[r]
-                else:
-                    acc = x[0].copy()
-                    combine = _NP_COMBINE[op]
-                    for r in range(1, size):
-                        combine(acc, x[r], out=acc)
-                post = post_factor(op, post, size)
-                if post != 1.0:
-                    _np_scale(acc, post)
-                if out is None:
-                    return torch_from_numpy(acc if shape is None else acc.reshape(shape))
-                out.detach().view(-1).copy_(torch_from_numpy(acc))
-                return out
-            # not the common round: an ordinary one from here on (this rank's request
-            # counts as announced in it)
-            req = Request("allreduce", name, meta, [tensor], [out], {"grouped": False})
-            req.controller = self
-            with self.mutex:
-                self.pending[name] = req
-            lengths = rows.view(np.uint32)[:, 0].tolist()
-            self._digest([rb[r * SLOT_BYTES + 4:r * SLOT_BYTES + 4 + k]
-                          for r, k in enumerate(lengths)])
-            while not req.done and not self.closed:
-                if not self._round(spin=True):
-                    time.sleep(5e-5)
-        finally:
-            self._driving.release()
-        if not req.done:
-            self.wait(req)
-        if req.error is not None:
-            raise req.error
-        return req.result
 
     # -- the negotiation thread ------------------------------------------------------------
     def _has_work(self) -> bool:
