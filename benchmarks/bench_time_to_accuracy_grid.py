@@ -52,10 +52,20 @@ def run_grid(args: argparse.Namespace, bench_args: list[str]) -> dict:
     budget = args.budget_min * 60
     started = time.monotonic()
     done, skipped, failed = [], [], []
-    longest = 0.0
+    longest, before, pieces, budgets = 0.0, 0.0, 0, 0.0
+    progress = os.path.join(args.out, "tta_gpt_grid.json")
+    if getattr(args, "resume", False) and os.path.exists(progress):
+        with open(progress) as fh:
+            old = json.load(fh)
+        done = [j for j in old["done"] if os.path.exists(j["path"])]
+        longest = max([j["job_s"] for j in done], default=0.0)
+        before = old.get("grid_s", 0.0)
+        pieces, budgets = old.get("pieces", 1), old.get("budget_s", 0.0)
+    finished = {(j["shape"], float(j["rate_mbit"]), int(j["seed"])) for j in done}
     todo = jobs(args.shapes.split(","), [float(r) for r in args.rates.split(",")],
                 [int(k) for k in args.seeds.split(",")], not args.no_calibrate,
                 [float(r) for r in args.extra_rates.split(",") if r])
+    todo = [t for t in todo if t not in finished]
     for shape, rate, seed in todo:
         used = time.monotonic() - started
         if done and used + longest * args.margin > budget:
@@ -78,8 +88,12 @@ def run_grid(args: argparse.Namespace, bench_args: list[str]) -> dict:
              "exit": code})
         print(f"         took {took:.0f} s" + ("" if code == 0 else f", EXIT {code}"),
               flush=True)
-    return {"done": done, "skipped": skipped, "failed": failed,
-            "grid_s": time.monotonic() - started, "budget_s": budget}
+        with open(progress, "w") as fh:   # what a --resume of a stopped grid starts from
+            json.dump({"done": done, "failed": failed, "pieces": pieces + 1,
+                       "budget_s": budgets + budget,
+                       "grid_s": before + time.monotonic() - started}, fh, indent=1)
+    return {"done": done, "skipped": skipped, "failed": failed, "pieces": pieces + 1,
+            "grid_s": before + time.monotonic() - started, "budget_s": budgets + budget}
 
 
 def render(args: argparse.Namespace, grid: dict) -> str:
@@ -114,7 +128,9 @@ def render(args: argparse.Namespace, grid: dict) -> str:
         f"{cfg['gpt_lr']} (cosine), evaluation every {cfg['eval_every']} steps; target: "
         f"{result['target_rule']}.",
         f"Grid: {len(grid['done'])} jobs in {grid['grid_s']:.0f} s of a "
-        f"{grid['budget_s']:.0f} s budget (job times "
+        f"{grid['budget_s']:.0f} s budget"
+        + (f" ({grid['pieces']} locked pieces, `--resume`)" if grid.get("pieces", 1) > 1
+           else "") + " (job times "
         + ", ".join(f"{j['shape']} {j['rate_mbit']:g} s{j['seed']} {j['job_s']:.0f} s"
                     for j in grid["done"]) + ")"
         + (f"; skipped (budget): {', '.join(grid['skipped'])}" if grid["skipped"] else "")
@@ -164,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render-only", action="store_true",
                    help="no jobs: render OUT/tta_gpt_grid.json's finished jobs again")
     p.add_argument("--verbose", action="store_true", help="show each job's output")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the jobs OUT/tta_gpt_grid.json lists as done; run the rest")
     args = p.parse_args(own)
     if args.render_only:
         with open(os.path.join(args.out, "tta_gpt_grid.json")) as fh:

@@ -158,8 +158,9 @@ def report(result: dict[str, Any]) -> None:
     print(f"\nshaping: {result['why']}; target: {result['target_rule']}")
     for key, panel in result["panels"].items():
         emulation = panel["runs"][0].get("emulation", "?")
+        target = panel["summary"]["_target_acc"]   # None without gradient_allreduce
         print(f"\n{key} ({emulation}); target (median over seeds) "
-              f"{panel['summary']['_target_acc']:.4f}")
+              + ("none (no gradient_allreduce run)" if target is None else f"{target:.4f}"))
         print(table(panel))
 
 

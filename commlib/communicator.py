@@ -27,6 +27,12 @@ def describe_pending(pending: tuple) -> str:
     return f"{op} #{seq} with {what} on {comm.describe()} (rank {comm.rank} of {comm.size})"
 
 
+#: Seconds between tests while a blocking call or a ``Work.wait()`` waits for MPI (0: block
+#: inside MPI). Set by ``commlib.init`` for the whole job before the world is made (option
+#: ``wait_poll_us``); every communicator takes it at construction.
+WAIT_POLL_S = 0.0
+
+
 class Gate:
     """Start order of multi-stage operations on one communicator (see
     :mod:`commlib.primitives.work`): tickets handed out in issue order, the ticket whose
@@ -56,6 +62,8 @@ class Communicator:
             from .fault_tolerance import adopt
             mpi_comm = adopt(mpi_comm, name=name)
         self.mpi = mpi_comm
+        # fault-tolerant communicators wait through their own waiter thread
+        self.poll_s = 0.0 if options.fault_tolerant else WAIT_POLL_S
         self.watchdog = watchdog
         self.name = name
         self.rank = mpi_comm.Get_rank()

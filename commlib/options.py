@@ -45,6 +45,15 @@ def _parse_tristate(text: Any) -> str:
     return "1" if _parse_bool(low) else "0"
 
 
+def _parse_wait_poll(text: Any) -> Any:
+    if text is None or str(text).strip().lower() in ("auto", ""):
+        return "auto"
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"expected 'auto' or a number of microseconds >= 0, got {text!r}")
+    return value
+
+
 def _parse_path(value: Any) -> str | None:
     if value is None:
         return None
@@ -89,6 +98,15 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
     "timeline": (_parse_path, None, "COMMLIB_TIMELINE",
                  "write a Chrome trace of every collective and DDP bucket exchange to "
                  "PATH.rank{r}.json (see commlib.timeline); read at commlib.init()"),
+    "wait_poll_us": (_parse_wait_poll, "auto", "COMMLIB_WAIT_POLL_US",
+                     "how a blocking call waits for MPI: 0 blocks inside MPI (whose wait "
+                     "spins on a core), N > 0 tests the operation and sleeps N microseconds "
+                     "between tests; auto (the default) polls every 50 us when some host "
+                     "runs more ranks than it has cores (a spinning wait there takes the "
+                     "core from a rank's compute), else blocks; decided at commlib.init() "
+                     "for the whole job (the same on every rank: a collective is started "
+                     "blocking on every rank or nonblocking on every rank); no effect in "
+                     "fault-tolerant mode, whose waits are its own"),
     "force_staging": (_as_bool, False, "COMMLIB_FORCE_STAGING",
                       "route CPU torch tensors through the host staging path used for GPU "
                       "buffers on MPI libraries that are not CUDA-aware (for testing)"),

@@ -8,7 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import exits
+from . import communicator, exits
 from .communicator import Communicator, describe_pending
 from .errors import CommError
 from .options import options
@@ -53,7 +53,12 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
         raise TypeError(f"commlib.init: argument 'comm' must be an mpi4py.MPI.Comm, "
                         f"got {type(source).__name__}")
     _watchdog = Watchdog(_on_expiry)
-    world_ranks = tuple(source.allgather(MPI.COMM_WORLD.Get_rank()))
+    # one exchange: the world ranks, and what decides how blocking calls wait (every rank
+    # decides the same from the same list)
+    mine = (MPI.COMM_WORLD.Get_rank(), MPI.Get_processor_name(), _cores())
+    everyone = source.allgather(mine)
+    world_ranks = tuple(r for r, _, _ in everyone)
+    communicator.WAIT_POLL_S = wait_poll_s(everyone, options.wait_poll_us)
     _world = Communicator(source.Dup(), _watchdog, "world", world_ranks)
     _world_source = source
     if MPI.COMM_WORLD.Get_size() > 1:  # done at import under a known MPI launcher
@@ -61,6 +66,34 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     for hook in _init_hooks:
         hook()
     return _world
+
+
+def _cores() -> int:
+    """Cores this process may run on (its CPU affinity; the machine's count elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: The poll interval of ``wait_poll_us="auto"`` on an oversubscribed host.
+AUTO_POLL_S = 50e-6
+
+
+def wait_poll_s(everyone: list, setting: Any) -> float:
+    """Seconds between tests of a blocking call's wait for the whole job (0: block in
+    MPI), from every rank's ``(world rank, host name, cores)`` and the ``wait_poll_us``
+    option: a number is taken as given; ``"auto"`` polls every :data:`AUTO_POLL_S` when
+    some host runs more of the job's ranks than it has cores (measured on 2 cores: FSDP's
+    step at 4 ranks halves, benchmarks/README.md), else 0."""
+    if setting != "auto":
+        return float(setting) * 1e-6
+    ranks: dict[str, int] = {}
+    cores: dict[str, int] = {}
+    for _, host, n in everyone:
+        ranks[host] = ranks.get(host, 0) + 1
+        cores[host] = max(cores.get(host, 0), int(n))
+    return AUTO_POLL_S if any(ranks[h] > cores[h] for h in ranks) else 0.0
 
 
 # Called at the end of every init() that makes the world, in registration order; layers

@@ -77,7 +77,9 @@ def test_headline_and_cost_model_markdown_come_from_the_runs(tmp_path):
 
 def test_async_model_average_in_steps_on_the_gpt():
     assert contender("async_model_average", "gpt")[1] == {"sync_every_steps": 4,
-                                                          "warmup_steps": 72}
+                                                          "warmup_steps": "epoch"}
+    assert contender("local_sgd", "gpt")[1] == {"sync_every": 2}
+    assert contender("local_sgd", "mlp")[1] == {"sync_every": 4}
     assert contender("powersgd", "gpt", ["powersgd.rank=2"])[1]["rank"] == 2
     assert contender("powersgd", "mlp", ["diloco.sync_every=2"])[1]["rank"] == 4
     with pytest.raises(ValueError, match="--set"):
@@ -119,3 +121,43 @@ def test_grid_skips_what_the_budget_cannot_hold(tmp_path, monkeypatch):
     generous = G.argparse.Namespace(**{**vars(args), "budget_min": 10.0})
     again = G.run_grid(generous, [])
     assert not again["skipped"] and len(again["done"]) == 2 and len(again["failed"]) == 2
+
+
+def test_grid_resume_keeps_done_jobs_and_runs_the_rest(tmp_path, monkeypatch):
+    """A grid in pieces: the first piece's budget holds one job; the resumed piece keeps
+    it (its JSON exists: not run again), runs the rest and adds the times up. Without
+    --resume the same call starts over (the control)."""
+    job = tmp_path / "job.py"
+    job.write_text("import sys, time\ntime.sleep(0.3)\n"
+                   "open(sys.argv[sys.argv.index('--json') + 1], 'a').write('x\\n')\n")
+    monkeypatch.setattr(G, "BENCH", str(job))
+    args = G.argparse.Namespace(out=str(tmp_path), budget_min=0.2 / 60, margin=1.1,
+                                shapes="2x2,4x1", rates="1000", seeds="0",
+                                no_calibrate=True, extra_rates="", verbose=False,
+                                resume=True)
+    first = G.run_grid(args, [])
+    assert [j["shape"] for j in first["done"]] == ["2x2"] and first["skipped"], first
+    more = G.argparse.Namespace(**{**vars(args), "budget_min": 10.0})
+    second = G.run_grid(more, [])
+    assert [j["shape"] for j in second["done"]] == ["2x2", "4x1"], second
+    assert second["pieces"] == 2 and second["grid_s"] > first["grid_s"], second
+    part = tmp_path / "tta_gpt_parts" / "2x2_1000_0.json"
+    assert part.read_text() == "x\n", "the done job ran again on --resume"
+    fresh = G.run_grid(G.argparse.Namespace(**{**vars(more), "resume": False}), [])
+    assert len(fresh["done"]) == 2 and part.read_text() == "x\nx\n", fresh
+
+
+def test_report_prints_a_panel_without_the_synchronous_run(capsys):
+    """An exploration run without gradient_allreduce (--algorithms local_sgd,diloco ...)
+    has no target: the console report says so instead of raising (it did: TypeError)."""
+    from bench_time_to_accuracy_report import report, summarize
+    with open(SMOKE) as fh:
+        result = json.load(fh)
+    for panel in result["panels"].values():
+        for run in panel["runs"]:
+            run["contenders"].pop("gradient_allreduce")
+            B.score(run, result["tolerance"], result["config"]["loss_tolerance"])
+        panel["summary"] = summarize(panel["runs"])
+    report(result)
+    out = capsys.readouterr().out
+    assert "none (no gradient_allreduce run)" in out and "diloco" in out, out

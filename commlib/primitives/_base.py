@@ -2,10 +2,11 @@
 and finishing reductions (AVG division, copy-back of staged or non-contiguous buffers)."""
 from __future__ import annotations
 
-from time import perf_counter
+from time import perf_counter, sleep
 from typing import Any, Callable
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import accounting, runtime
 from ..buffers import Buf
@@ -30,12 +31,45 @@ def resolve(group: Any, op: str) -> Communicator:
                     f"commlib group or None, got {type(group).__name__}")
 
 
+#: The nonblocking form of each blocking MPI call :func:`blocking` is given, for poll mode
+#: (``Communicator.poll_s``); same arguments but the status (its position: name -> index).
+_NONBLOCKING = {"Allreduce": "Iallreduce", "Bcast": "Ibcast", "Barrier": "Ibarrier",
+                "Reduce": "Ireduce", "Reduce_scatter": "Ireduce_scatter",
+                "Allgather": "Iallgather", "Allgatherv": "Iallgatherv",
+                "Alltoall": "Ialltoall", "Alltoallv": "Ialltoallv", "Gather": "Igather",
+                "Scatter": "Iscatter", "Send": "Isend", "Recv": "Irecv",
+                "Sendrecv": None}
+_STATUS_AT = {"Recv": 3, "Sendrecv": 6}
+
+
 def blocking(comm: Communicator, op: str, what: Any, fn: Callable, *args: Any) -> Any:
     """Call a blocking MPI function under the watchdog deadline, timed (``stats()``'s
-    ``seconds``, the timeline)."""
+    ``seconds``, the timeline). In poll mode (``comm.poll_s > 0``, the same on every rank)
+    the call's nonblocking form is started and tested, sleeping ``poll_s`` between tests,
+    so a rank that waits leaves its core to the others (calls without one block)."""
     comm.arm(op, what)
     t0 = perf_counter()
     try:
+        poll_s = comm.poll_s
+        if poll_s:
+            name = fn.__name__
+            if name in _NONBLOCKING:
+                status, at = None, _STATUS_AT.get(name)
+                if at is not None and len(args) > at:
+                    status, args = args[at], args[:at]
+                if name == "Sendrecv":
+                    # MPICH 5.0.2's MPI_Isendrecv fills the status with a wrong count
+                    # (seen: 1 element for 362): a receive and a send, tested together
+                    send, dst, stag, recv, src, rtag = args
+                    reqs = [comm.mpi.Irecv(recv, src, rtag), comm.mpi.Isend(send, dst, stag)]
+                    statuses = [status if status is not None else MPI.Status(), MPI.Status()]
+                    while not MPI.Request.Testall(reqs, statuses):
+                        sleep(poll_s)
+                    return None
+                req = getattr(comm.mpi, _NONBLOCKING[name])(*args)
+                while not req.Test(status):
+                    sleep(poll_s)
+                return None
         return fn(*args)
     finally:
         t1 = perf_counter()

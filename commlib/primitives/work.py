@@ -185,13 +185,16 @@ class Work:
                 return False
         return True
 
-    def wait(self, poll_s: float = 0.0) -> Any:
+    def wait(self, poll_s: float | None = None) -> Any:
         """Block until done; return the result (see the class docstring).
 
         ``poll_s > 0``: test the operation and sleep ``poll_s`` seconds between tests
         instead of blocking in MPI (whose wait spins), leaving the core to other processes
-        when ranks outnumber cores; under the watchdog deadline all the same."""
+        when ranks outnumber cores; under the watchdog deadline all the same. ``None``
+        (the default): the communicator's choice (option ``wait_poll_us``); 0: block."""
         comm = self._comm
+        if poll_s is None:
+            poll_s = getattr(comm, "poll_s", 0.0)
         if poll_s > 0 and not self._done:
             comm.arm(self._op, self._what)
             try:
