@@ -20,25 +20,26 @@ from typing import Any, Callable
 from .. import shutdown
 
 
-def drive(result: Any, poll_s: float = 0.0) -> Any:
+def drive(result: Any, poll_s: float | None = None) -> Any:
     """Complete the Work handle(s) a job returned; return the job's result unchanged
-    (``poll_s > 0``: test and sleep between tests, ``Work.wait(poll_s)``)."""
+    (``Work.wait(poll_s)``: ``None`` the communicator's choice, option ``wait_poll_us``;
+    0 block in MPI; > 0 test and sleep between tests)."""
     for work in result if isinstance(result, (list, tuple)) else [result]:
         if hasattr(work, "wait"):
-            work.wait(poll_s) if poll_s else work.wait()
+            work.wait() if poll_s is None else work.wait(poll_s)
     return result
 
 
 class Engine:
     """FIFO executor on one daemon thread (or inline when ``threaded`` is False).
-    ``poll_s > 0``: the thread waits for a job's Work handles by testing them and sleeping
-    ``poll_s`` between tests instead of blocking in MPI (whose wait spins): for ranks that
-    outnumber the cores, where a spinning wait takes the core from the compute."""
+    ``poll_s``: how the thread waits for a job's Work handles: ``None`` as the communicator
+    chose (option ``wait_poll_us``), 0 blocking in MPI (whose wait spins), > 0 testing them
+    and sleeping ``poll_s`` between tests (ranks that outnumber the cores)."""
 
     def __init__(self, threaded: bool, name: str = "commlib-comm",
-                 poll_s: float = 0.0) -> None:
+                 poll_s: float | None = None) -> None:
         self.threaded = threaded
-        self.poll_s = float(poll_s)
+        self.poll_s = None if poll_s is None else float(poll_s)
         self._name = name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -91,7 +92,8 @@ class Engine:
         return f"<commlib.Engine {self._name!r}{' closed' if self._closed else ''}>"
 
 
-def _run(future: Future, fn: Callable[..., Any], args: tuple, poll_s: float = 0.0) -> None:
+def _run(future: Future, fn: Callable[..., Any], args: tuple,
+         poll_s: float | None = None) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:

@@ -31,13 +31,13 @@ def resolve_group(group: Any, who: str) -> Any:
 WAIT_POLL_S: float | None = None
 
 
-def wait_poll_s() -> float:
-    """Seconds between tests while a communication thread waits for a collective: 50 us
-    when this node's ranks outnumber its cores (a blocking MPI wait spins and takes the
-    core from a rank's compute: measured in benchmarks/README.md, bench_zero.py), else 0
-    (block in MPI). The pipeline executor's rule; ``WAIT_POLL_S`` overrides it. Decided
-    from the node's rank count, the same on every rank of a node (and it changes only
-    how a rank waits, not what it sends)."""
+def wait_poll_s() -> float | None:
+    """How a sharded wrapper's communication threads wait for a collective: 50 us between
+    tests when this node's ranks outnumber its cores (a blocking MPI wait spins and takes
+    the core from a rank's compute: benchmarks/README.md, bench_zero.py), else ``None``
+    (the communicator's choice, option ``wait_poll_us``, decided for the whole job).
+    ``WAIT_POLL_S`` overrides it (0: block in MPI). Decided from the node's rank count, the
+    same on every rank of a node; it changes only how a rank waits, not what it sends."""
     if WAIT_POLL_S is not None:
         return float(WAIT_POLL_S)
-    return 50e-6 if runtime.get_local_size() > (os.cpu_count() or 1) else 0.0
+    return 50e-6 if runtime.get_local_size() > (os.cpu_count() or 1) else None
