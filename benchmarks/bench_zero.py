@@ -158,8 +158,9 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
     from commlib.sharded import groups
     waits = {"auto": [None], "spin": [0.0], "poll": [50e-6], "both": [0.0, 50e-6]}[args.wait]
     for wait in waits:
-        # how the sharded wrappers' threads wait for MPI (groups.wait_poll_s; auto: poll
-        # when this node's ranks outnumber its cores)
+        # how the sharded wrappers' threads wait for MPI (groups.WAIT_POLL_S; auto: as the
+        # communicator chose, option wait_poll_us: poll when a host's ranks outnumber its
+        # cores; blocking calls and DDP's thread follow wait_poll_us in every mode)
         groups.WAIT_POLL_S = wait
         tag = "" if len(waits) == 1 else (" [spin]" if wait == 0 else " [poll]")
         m = commlib.DistributedDataParallel(model())

@@ -2,7 +2,6 @@
 (its ranks) or ``None`` (the world)."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .. import runtime
@@ -27,17 +26,16 @@ def resolve_group(group: Any, who: str) -> Any:
 
 
 # How the sharded front-ends' communication threads wait for MPI (Engine's poll_s):
-# None = decide per wrapper at construction (below); a number forces it (0: block in MPI).
+# None = as the communicator chose (option wait_poll_us, for the whole job: auto polls
+# every 50 us when some host runs more ranks than cores); a number forces it (0: block).
 WAIT_POLL_S: float | None = None
 
 
 def wait_poll_s() -> float | None:
-    """How a sharded wrapper's communication threads wait for a collective: 50 us between
-    tests when this node's ranks outnumber its cores (a blocking MPI wait spins and takes
-    the core from a rank's compute: benchmarks/README.md, bench_zero.py), else ``None``
-    (the communicator's choice, option ``wait_poll_us``, decided for the whole job).
-    ``WAIT_POLL_S`` overrides it (0: block in MPI). Decided from the node's rank count, the
-    same on every rank of a node; it changes only how a rank waits, not what it sends."""
-    if WAIT_POLL_S is not None:
-        return float(WAIT_POLL_S)
-    return 50e-6 if runtime.get_local_size() > (os.cpu_count() or 1) else None
+    """How a sharded wrapper's communication threads wait for a collective: ``None`` (the
+    default) as the communicator chose (option ``wait_poll_us``: on a host whose ranks
+    outnumber its cores, 50 us between tests instead of a blocking MPI wait, which spins and
+    takes the core from a rank's compute; at 4 ranks on 2 cores FULL_SHARD's step halved,
+    benchmarks/README.md, bench_zero.py --wait); ``WAIT_POLL_S`` overrides it for these
+    threads (0: block in MPI). It changes only how a rank waits, not what it sends."""
+    return None if WAIT_POLL_S is None else float(WAIT_POLL_S)
