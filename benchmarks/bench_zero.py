@@ -42,29 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import commlib  # noqa: E402
 import _common as C  # noqa: E402
+from gpt import Block, Config  # noqa: E402  (the GPT workload's pre-LN block)
 from models import WideMLP  # noqa: E402
-
-
-class Block(torch.nn.Module):
-    """A pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (causal
-    self-attention through ``scaled_dot_product_attention``, GELU MLP of 4 d_model)."""
-
-    def __init__(self, d_model: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d_model), torch.nn.LayerNorm(d_model)
-        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
-        self.proj = torch.nn.Linear(d_model, d_model)
-        self.fc1 = torch.nn.Linear(d_model, 4 * d_model)
-        self.fc2 = torch.nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads) \
-            .permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class TransformerStack(torch.nn.Module):
@@ -74,7 +53,8 @@ class TransformerStack(torch.nn.Module):
     def __init__(self, d_model: int = 256, heads: int = 4, depth: int = 4,
                  classes: int = 10) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(d_model, heads) for _ in range(depth))
+        cfg = Config(d_model=d_model, layers=depth, heads=heads)
+        self.blocks = torch.nn.ModuleList(Block(cfg) for _ in range(depth))
         self.ln = torch.nn.LayerNorm(d_model)
         self.head = torch.nn.Linear(d_model, classes)
 
