@@ -1,7 +1,6 @@
 """Run a pipeline schedule over commlib's non-blocking send/recv."""
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -53,7 +52,8 @@ class Pipeline(torch.nn.Module):
     (its schedule's part, and the time spent waiting for messages within it).
 
     ``poll_s``: waits test and sleep this long between tests instead of spinning in MPI
-    (default: 50 us when this node runs more ranks than it has cores, else 0: MPI's wait).
+    (default: the job's choice, option ``wait_poll_us``: 50 us when some host runs more
+    ranks than it has cores, else 0: MPI's wait).
 
     :meth:`close` (or leaving a ``with Pipeline(...) as pipe:`` block) frees the
     communicators of the replicated stages; call it on every rank when done.
@@ -119,9 +119,8 @@ class Pipeline(torch.nn.Module):
             if len(replicas) > 1:
                 world_ranks = [self.group.ranks[r] for r in replicas]
                 self._replica_groups[s] = primitives.group_from_ranks(world_ranks)
-        if poll_s is None:
-            from ..runtime import get_local_size
-            poll_s = 50e-6 if get_local_size() > (os.cpu_count() or 1) else 0.0
+        if poll_s is None:   # the job's choice (option wait_poll_us)
+            poll_s = getattr(getattr(self.group, "comm", None), "poll_s", 0.0)
         self.poll_s = float(poll_s)
         self._shapes: dict = {}
         self._meta_base = 2 * self.schedule.stages * self.schedule.pipes * micro_batches
