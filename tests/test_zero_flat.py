@@ -1,7 +1,7 @@
 """ZeRO stage 1 at allreduce's bytes: commlib.ZeroRedundancyOptimizer(reduce_gradients=True)
 partitions the flattened trainable elements evenly (split inside parameters), reduce-
-scatters the gradients bucket by bucket in backward and all-gathers the updated elements
-per bucket.
+scatters the gradients bucket by bucket in backward and all-gathers each rank's updated
+elements (its local flat) in one message, or in segments under a cap.
 
 One job, float64, a model of 353 trainable elements (odd, not a multiple of 3 or 4) and
 64-element buckets (parameters cut at bucket boundaries), for SGD-momentum and Adam:
@@ -10,10 +10,11 @@ One job, float64, a model of 353 trainable elements (odd, not a multiple of 3 or
   optimizer (1e-10), replicas bitwise identical (torch's ZeroRedundancyOptimizer steps
   exactly as that optimizer; importing ``torch.distributed.optim`` costs 5 s of
   TorchScript compilation a process);
-* bytes per step (commlib's counters, backward + step) equal the formula of the buckets,
-  sum of ``(n-1) L 8 // n`` (reduce-scatter) + ``(n-1) ceil(L/n) 8`` (all-gather), and
+* bytes per step (commlib's counters, backward + step) equal the formula, sum over the
+  buckets of ``(n-1) L 8 // n`` (reduce-scatter) + ``(n-1) ceil(T/n) 8`` (all-gather), and
   commlib DDP's (``gradient_allreduce``) bytes for the same model within the last bucket's
   all-gather padding: ``0 <= ours - allreduce < (n-1) 8`` (less than one element a rank);
+  also with the all-gather cut into segments of 37 elements a rank (``GATHER_CAP_BYTES``);
 * each rank's optimizer state is ``floor`` or ``ceil(353 / n)`` elements a state tensor,
   summing to 353 over the ranks;
 * negative control: one bucket never reduced (each rank keeps its own local gradient for
@@ -61,8 +62,8 @@ def bus(snapshot):
 
 def predicted_bytes(opt):
     n = opt.world_size
-    return sum((n - 1) * b.length * 8 // n + (n - 1) * b.width * 8
-               for kind in opt._kinds for b in kind.buckets) if n > 1 else 0
+    return sum(sum((n - 1) * b.length * 8 // n for b in kind.buckets)
+               + (n - 1) * max(kind.local_numel) * 8 for kind in opt._kinds) if n > 1 else 0
 
 
 def local_batch(step):
@@ -130,17 +131,24 @@ def verdict(history):
 
 
 @pytest.mark.mpi
-def test_flat_zero1_matches_torch_zero_at_allreduce_bytes(one_thread_per_rank):
+def test_flat_zero1_matches_torch_zero_at_allreduce_bytes(one_thread_per_rank, monkeypatch):
+    from commlib.sharded import zero
     n = commlib.get_world_size()
+    T = 353
     failures = []
-    for name in ("sgd_momentum", "adam"):
+    for name, segment in (("sgd_momentum", None), ("adam", None), ("adam", 37)):
+        if segment:
+            monkeypatch.setattr(zero, "GATHER_CAP_BYTES", segment * 8 * n)
         history, got, allreduce, opt, model, _ = run(name)
+        if segment and n > 1:
+            assert [w for _, w, _ in opt._segments[0]] == [37] * (-(-T // n) // 37) + (
+                [-(-T // n) % 37] if -(-T // n) % 37 else []), opt._segments[0]
+        name = f"{name}, segments of {segment}" if segment else name
         bad = verdict(history)
         if bad:
             failures.append(f"{name}: {bad}")
-        T = trainable(model)
-        assert T == 353
-        # bytes: the buckets' formula exactly, allreduce's within the last bucket's padding
+        assert trainable(model) == T
+        # bytes: the formula exactly, allreduce's within the padding
         assert all(b == predicted_bytes(opt) for b in got), (name, got, predicted_bytes(opt))
         for b, a in zip(got, allreduce):
             assert 0 <= b - a < max(1, (n - 1) * 8), (

@@ -11,9 +11,10 @@ boundaries fall. Its owned elements, in flat order, form its *local flat* buffer
 elements of one param group are a contiguous slice of it (the groups are contiguous in the
 flat space), the shard the local optimizer steps.
 
-Per bucket, gradients are reduce-scattered (``(N-1)/N * B`` bus bytes) and updated values
-all-gathered (``(N-1) * B/N``): allreduce's ``2 (N-1)/N * B``, the last bucket's all-gather
-padded to ``ceil(L / N)`` elements a rank.
+Per bucket, gradients are reduce-scattered (``(N-1)/N * B`` bus bytes); the updated values
+travel as each rank's whole local flat (one all-gather per kind, or per segment of at most
+a cap, :func:`gather_segments`), padded to the largest local flat (``ceil(T / N)``
+elements): allreduce's ``2 (N-1)/N * T`` in all.
 """
 from __future__ import annotations
 
@@ -131,6 +132,26 @@ class Kind:
             if a < b:
                 out.append((a - g_lo, b - a, at + a - f - s_lo))
         return out
+
+
+def clip(pieces: list[Piece], lo: int, hi: int) -> list[Piece]:
+    """The parts of ``pieces`` that sit in ``[lo, hi)`` of their buffer, placed from 0 on
+    (``at`` shifted by ``-lo``)."""
+    out = []
+    for p in pieces:
+        a, b = max(lo, p.at), min(hi, p.at + p.n)
+        if a < b:
+            out.append(Piece(p.param, p.p_lo + a - p.at, b - a, a - lo))
+    return out
+
+
+def gather_segments(kind: Kind, cap_elems: int) -> list[tuple[int, int]]:
+    """``(lo, width)`` of the all-gathers of updated values: every rank sends
+    ``[lo, lo + width)`` of its local flat (zero-padded past its end), ``width`` at most
+    ``cap_elems``; together they cover the largest local flat."""
+    widest = max(kind.local_numel)
+    step = max(1, cap_elems)
+    return [(lo, min(step, widest - lo)) for lo in range(0, widest, step)]
 
 
 def plan(groups: list[list[torch.Tensor]], shards: int, bucket_bytes: int) -> list[Kind]:
