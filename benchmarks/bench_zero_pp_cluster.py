@@ -74,15 +74,19 @@ def worker(args: argparse.Namespace) -> None:
     import gpt
     from commlib.mpi_env import _node
     from mpi4py import MPI
-    commlib.init()
+    # --wait auto: the library's rule (the emulated nodes are one machine: it polls when
+    # the job's ranks outnumber its cores); spin/poll force it, for every blocking call
+    # and the sharded wrappers' threads
+    forced = {"spin": 0.0, "poll": 50e-6}.get(args.wait)
+    if forced is None:
+        commlib.init()
+    else:
+        commlib.init(wait_poll_us=round(forced * 1e6))
+        from commlib.sharded import groups
+        groups.WAIT_POLL_S = forced
     torch.set_num_threads(1)
     rank, n = commlib.get_rank(), commlib.get_world_size()
     local_rank, local_size = _node(MPI.COMM_WORLD)
-    from commlib.sharded import groups
-    # the emulated nodes share this host's cores: a wrapper sees only its node's ranks,
-    # so decide the wait (commlib.sharded.groups.wait_poll_s) from the whole job here
-    groups.WAIT_POLL_S = {"spin": 0.0, "poll": 50e-6}.get(
-        args.wait, 50e-6 if n > (os.cpu_count() or 1) else 0.0)
     cfg = gpt.Config(d_model=args.d_model, layers=args.layers, heads=args.heads,
                      context=args.context)
     data = gpt.corpus(max_bytes=args.max_bytes)
@@ -120,7 +124,9 @@ def worker(args: argparse.Namespace) -> None:
                 r["tx"].append(float(total[0]) / n)
                 r["bus"].append(sum(v["bus_bytes"] - before.get(op, {}).get("bus_bytes", 0)
                                     for op, v in after.items()))
-    out: dict[str, Any] = {"local_size": local_size, "psi": psi, "configs": {}}
+    from commlib import communicator
+    out: dict[str, Any] = {"local_size": local_size, "psi": psi, "configs": {},
+                           "wait_poll_s": communicator.WAIT_POLL_S}
     for r in runs:
         loss = gpt.val_loss(r["model"], data["val"], cfg.context, windows=args.val_windows)
         state = r["model"].state_dict()
@@ -181,7 +187,9 @@ def report(result: dict[str, Any]) -> str:
              f"psi = {result['psi']:,}, batch {a['batch']}/rank, Adam lr {a['lr']}, "
              f"{a['steps']} steps after {a['warmup']}; {a['shape']} at {a['rate']:g} Mbit/s "
              f"({result.get('emulation', '')}); load average "
-             f"{', '.join(f'{v:.1f}' for v in result['load_average'])}", "",
+             f"{', '.join(f'{v:.1f}' for v in result['load_average'])}; blocking waits "
+             f"{'poll every %g us' % (result['wait_poll_s'] * 1e6) if result.get('wait_poll_s') else 'block in MPI'}",
+             "",
              "| config | inter-node B/step/rank | vs FULL_SHARD | commlib bus B/step | "
              "step ms (median) | vs FULL_SHARD | val loss | vs FULL_SHARD | replicas equal |",
              "|---|---|---|---|---|---|---|---|---|"]

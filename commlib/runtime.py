@@ -55,7 +55,7 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     _watchdog = Watchdog(_on_expiry)
     # one exchange: the world ranks, and what decides how blocking calls wait (every rank
     # decides the same from the same list)
-    mine = (MPI.COMM_WORLD.Get_rank(), MPI.Get_processor_name(), _cores())
+    mine = (MPI.COMM_WORLD.Get_rank(), _machine(), _cores())
     everyone = source.allgather(mine)
     world_ranks = tuple(r for r, _, _ in everyone)
     communicator.WAIT_POLL_S = wait_poll_s(everyone, options.wait_poll_us)
@@ -66,6 +66,20 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     for hook in _init_hooks:
         hook()
     return _world
+
+
+def _machine() -> str:
+    """What names this process's machine for sharing cores: the running kernel's boot id
+    (the same in every network, UTS or container namespace of one machine, so emulated
+    nodes on one host count as one), else MPI's processor name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        if boot:
+            return "boot:" + boot
+    except OSError:
+        pass
+    return MPI.Get_processor_name()
 
 
 def _cores() -> int:
@@ -82,7 +96,7 @@ AUTO_POLL_S = 50e-6
 
 def wait_poll_s(everyone: list, setting: Any) -> float:
     """Seconds between tests of a blocking call's wait for the whole job (0: block in
-    MPI), from every rank's ``(world rank, host name, cores)`` and the ``wait_poll_us``
+    MPI), from every rank's ``(world rank, machine, cores)`` and the ``wait_poll_us``
     option: a number is taken as given; ``"auto"`` polls every :data:`AUTO_POLL_S` when
     some host runs more of the job's ranks than it has cores (measured on 2 cores: FSDP's
     step at 4 ranks halves, benchmarks/README.md), else 0."""

@@ -16,6 +16,27 @@ from commlib.primitives import (allgather, allgather_v, allreduce, alltoall, all
 from commlib.primitives import _base
 
 
+def test_emulated_nodes_on_one_machine_count_as_one_machine():
+    """A rank in its own network and UTS namespace (another host name: the two-tier
+    emulation, a container) shares this machine's cores: it names the same machine."""
+    import shutil
+    import subprocess
+    import sys
+    outer = runtime._machine()
+    if not outer.startswith("boot:") or shutil.which("unshare") is None:
+        pytest.skip("no boot id or no unshare here")
+    code = "from commlib import runtime; print(runtime._machine())"
+    got = subprocess.run(["unshare", "--net", "--uts", "sh", "-c",
+                          f"hostname emulated-node-7 && hostname && {sys.executable} -c '{code}'"],
+                         capture_output=True, text=True, timeout=120)
+    if got.returncode != 0 and "Operation not permitted" in got.stderr:
+        pytest.skip("namespaces need root")
+    assert got.returncode == 0, got.stderr
+    name, machine = got.stdout.split()
+    assert name == "emulated-node-7"
+    assert machine == outer
+
+
 def test_the_job_decides_from_every_host():
     one_host = [(r, "a", 2) for r in range(2)]
     assert runtime.wait_poll_s(one_host, "auto") == 0.0
