@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any
 
 from mpi4py import MPI
 
-from . import communicator, exits
+from . import communicator, exits, ucx_env
 from .communicator import Communicator, describe_pending
 from .errors import CommError
 from .options import options
@@ -46,6 +47,8 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
         if comm is not None and comm is not _world_source:
             raise CommError("commlib.init: already initialized with another communicator")
         return _world
+    if options.fault_tolerant:
+        _warn_if_cma()
     if comm is None:
         check_launcher(os.environ)
     source = MPI.COMM_WORLD if comm is None else comm
@@ -80,6 +83,18 @@ def _machine() -> str:
     except OSError:
         pass
     return MPI.Get_processor_name()
+
+
+def _warn_if_cma() -> None:
+    """Fault-tolerant mode turned on after MPI started with UCX's ``cma`` transport (see
+    :mod:`commlib.ucx_env`): say what a death can then do, and how to avoid it."""
+    netmod = os.environ.get("MPIR_CVAR_CH4_NETMOD", "ucx").strip().lower()
+    if MPI.COMM_WORLD.Get_size() > 1 and netmod == "ucx" and not ucx_env.cma_excluded():
+        warnings.warn(
+            "commlib: fault-tolerant mode with UCX's cma transport: a rank that dies while "
+            "sending a large message to a rank of its own machine ends that rank too. "
+            "Set COMMLIB_FAULT_TOLERANT=1 in the launch environment (commlib then starts "
+            "UCX without cma) or UCX_TLS=^cma", RuntimeWarning, stacklevel=3)
 
 
 def _cores() -> int:

@@ -33,11 +33,6 @@ import time
 
 import numpy as np
 
-import commlib
-from commlib import PeerFailure
-from commlib import agreement as agreement_module
-from elastic_common import write_shm
-
 parser = argparse.ArgumentParser()
 parser.add_argument("outdir")
 parser.add_argument("case")
@@ -46,6 +41,13 @@ parser.add_argument("--size", type=int, default=8192)
 parser.add_argument("--no-ft", action="store_true", help="fault tolerance off (control)")
 parser.add_argument("--victim-rank", type=int, default=None, help="the (first) victim")
 args = parser.parse_args()
+# fault-tolerant mode from the environment, known before MPI starts (commlib.ucx_env)
+os.environ["COMMLIB_FAULT_TOLERANT"] = "0" if args.no_ft else "1"
+
+import commlib  # noqa: E402
+from commlib import PeerFailure  # noqa: E402
+from commlib import agreement as agreement_module  # noqa: E402
+from elastic_common import write_shm  # noqa: E402
 
 if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
     import faulthandler

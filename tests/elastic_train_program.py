@@ -48,11 +48,6 @@ import time
 
 import torch
 
-import commlib
-from commlib import elastic
-from commlib.elastic import state as state_module
-from elastic_common import write_shm
-
 parser = argparse.ArgumentParser()
 parser.add_argument("outdir")
 parser.add_argument("--algorithm", default="gradient_allreduce")
@@ -72,15 +67,24 @@ parser.add_argument("--min-ranks", type=int, default=1, help="run(min_ranks=...)
 parser.add_argument("--scenarios", default="",
                     help="JSON list of references to train one after the other")
 args = parser.parse_args()
+reference = [int(c) for c in args.reference.split(",") if c]
+scenarios = json.loads(args.scenarios) if args.scenarios else []
+FT = not (reference or scenarios or args.no_ft)
+# as the README says to launch: fault-tolerant mode from the environment, known before MPI
+# starts (commlib then starts UCX without cma, commlib.ucx_env)
+os.environ["COMMLIB_FAULT_TOLERANT"] = "1" if FT else "0"
+
+import commlib  # noqa: E402
+from commlib import elastic  # noqa: E402
+from commlib.elastic import state as state_module  # noqa: E402
+from elastic_common import write_shm  # noqa: E402
 
 if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ["ELASTIC_DUMP"]), exit=True)
 torch.set_default_dtype(torch.float64)
 torch.set_num_threads(1)
-reference = [int(c) for c in args.reference.split(",") if c]
-scenarios = json.loads(args.scenarios) if args.scenarios else []
-commlib.init(fault_tolerant=not (reference or scenarios or args.no_ft))
+commlib.init(fault_tolerant=FT)
 me = commlib.get_rank()
 n0 = commlib.get_world_size()
 write_shm(args.outdir, me)

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 
 LAYERS = [
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
-     "mpi_env", "shutdown", "shm", "launch"},
+     "mpi_env", "shutdown", "shm", "launch", "ucx_env"},
     {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "failure_detection",
      "agreement"},
     {"primitives", "timeline", "topology"},
