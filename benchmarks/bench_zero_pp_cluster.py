@@ -75,15 +75,10 @@ def worker(args: argparse.Namespace) -> None:
     from commlib.mpi_env import _node
     from mpi4py import MPI
     # --wait auto: the library's rule (the emulated nodes are one machine: it polls when
-    # the job's ranks outnumber its cores); spin/poll force it, for every blocking call
-    # and the sharded wrappers' threads
-    forced = {"spin": 0.0, "poll": 50e-6}.get(args.wait)
-    if forced is None:
-        commlib.init()
-    else:
-        commlib.init(wait_poll_us=round(forced * 1e6))
-        from commlib.sharded import groups
-        groups.WAIT_POLL_S = forced
+    # the job's ranks outnumber its cores); spin/poll force the job-wide option, which
+    # every blocking call and the sharded wrappers' threads follow
+    forced = {"spin": 0, "poll": 50}.get(args.wait)
+    commlib.init() if forced is None else commlib.init(wait_poll_us=forced)
     torch.set_num_threads(1)
     rank, n = commlib.get_rank(), commlib.get_world_size()
     local_rank, local_size = _node(MPI.COMM_WORLD)

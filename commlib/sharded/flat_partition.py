@@ -45,11 +45,6 @@ class Bucket:
     pieces: list[Piece] = field(default_factory=list)   # ``at``: offset in the bucket
     local_at: list[int] = field(default_factory=list)   # each rank's part in its local flat
 
-    @property
-    def width(self) -> int:
-        """Elements each rank sends in the bucket's all-gather (the largest part)."""
-        return max(self.sizes)
-
 
 class Kind:
     """The flat space of the trainable parameters of one dtype and device."""
@@ -149,8 +144,7 @@ def gather_segments(kind: Kind, cap_elems: int) -> list[tuple[int, int]]:
     """``(lo, width)`` of the all-gathers of updated values: every rank sends
     ``[lo, lo + width)`` of its local flat (zero-padded past its end), ``width`` at most
     ``cap_elems``; together they cover the largest local flat."""
-    widest = max(kind.local_numel)
-    step = max(1, cap_elems)
+    widest, step = max(kind.local_numel), max(1, cap_elems)
     return [(lo, min(step, widest - lo)) for lo in range(0, widest, step)]
 
 

@@ -184,16 +184,15 @@ class ZeroRedundancyOptimizer(ZeroStateDict, torch.optim.Optimizer):
         groups = [list(g["params"]) for g in self.param_groups]
         self._kinds = fp.plan(groups, self.world_size, self._bucket_bytes)
         self._values, self._grads, self._local_pieces = [], [], []
+        # the updated values' all-gathers: (lo, width, each rank's pieces in the segment)
+        self._segments = []
         for kind in self._kinds:
             n = kind.local_numel[self.rank]
             self._values.append(torch.zeros(n, dtype=kind.dtype, device=kind.device))
             self._grads.append(torch.zeros(n, dtype=kind.dtype, device=kind.device))
-            self._local_pieces.append(kind.local_pieces(self.rank))
-        # the updated values' all-gathers: (lo, width, each rank's pieces in the segment)
-        self._segments = []
-        for kind in self._kinds:
-            cap = max(1, GATHER_CAP_BYTES // (kind.params[0].element_size() * self.world_size))
             every = [kind.local_pieces(r) for r in range(self.world_size)]
+            self._local_pieces.append(every[self.rank])
+            cap = GATHER_CAP_BYTES // (kind.params[0].element_size() * self.world_size)
             self._segments.append([(lo, w, [fp.clip(every[r], lo, lo + w)
                                             for r in range(self.world_size)])
                                    for lo, w in fp.gather_segments(kind, cap)])
