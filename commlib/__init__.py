@@ -6,7 +6,8 @@ arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Wor
 """
 # First of all, before anything imports mpi4py.MPI: a real MPI world when a launcher that
 # is not an MPI launcher (torchrun, Kubernetes, srun) started this process (commlib.launch).
-# Fault-tolerant mode asked for in the environment: UCX without cma (commlib.ucx_env).
+# Fault-tolerant mode asked for in the environment: no UCX rendezvous inside a machine
+# (commlib.ucx_env).
 from .options import options as _options  # noqa: E402
 from . import ucx_env as _ucx_env  # noqa: E402
 if _options.fault_tolerant:

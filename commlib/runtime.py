@@ -9,7 +9,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import communicator, exits, ucx_env
+from . import communicator, exits, failure_detection, ucx_env
 from .communicator import Communicator, describe_pending
 from .errors import CommError
 from .options import options
@@ -48,7 +48,7 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
             raise CommError("commlib.init: already initialized with another communicator")
         return _world
     if options.fault_tolerant:
-        _warn_if_cma()
+        _warn_if_intra_rndv()
     if comm is None:
         check_launcher(os.environ)
     source = MPI.COMM_WORLD if comm is None else comm
@@ -56,12 +56,14 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
         raise TypeError(f"commlib.init: argument 'comm' must be an mpi4py.MPI.Comm, "
                         f"got {type(source).__name__}")
     _watchdog = Watchdog(_on_expiry)
-    # one exchange: the world ranks, and what decides how blocking calls wait (every rank
-    # decides the same from the same list)
-    mine = (MPI.COMM_WORLD.Get_rank(), _machine(), _cores())
+    # one exchange: the world ranks, what decides how blocking calls wait (every rank
+    # decides the same from the same list), and what lets fault-tolerant mode watch the
+    # processes of this machine
+    mine = (MPI.COMM_WORLD.Get_rank(), _machine(), _cores(), failure_detection.this_process())
     everyone = source.allgather(mine)
-    world_ranks = tuple(r for r, _, _ in everyone)
-    communicator.WAIT_POLL_S = wait_poll_s(everyone, options.wait_poll_us)
+    world_ranks = tuple(r for r, *_ in everyone)
+    communicator.WAIT_POLL_S = wait_poll_s([e[:3] for e in everyone], options.wait_poll_us)
+    failure_detection.watch_local({r: proc for r, _, _, proc in everyone})
     _world = Communicator(source.Dup(), _watchdog, "world", world_ranks)
     _world_source = source
     if MPI.COMM_WORLD.Get_size() > 1:  # done at import under a known MPI launcher
@@ -85,16 +87,19 @@ def _machine() -> str:
     return MPI.Get_processor_name()
 
 
-def _warn_if_cma() -> None:
-    """Fault-tolerant mode turned on after MPI started with UCX's ``cma`` transport (see
-    :mod:`commlib.ucx_env`): say what a death can then do, and how to avoid it."""
+def _warn_if_intra_rndv() -> None:
+    """Fault-tolerant mode turned on after MPI started with UCX's rendezvous between ranks
+    of one machine (see :mod:`commlib.ucx_env`): say what a death can then do, and how to
+    avoid it."""
     netmod = os.environ.get("MPIR_CVAR_CH4_NETMOD", "ucx").strip().lower()
-    if MPI.COMM_WORLD.Get_size() > 1 and netmod == "ucx" and not ucx_env.cma_excluded():
+    if MPI.COMM_WORLD.Get_size() > 1 and netmod == "ucx" and not ucx_env.intra_node_rndv_off():
         warnings.warn(
-            "commlib: fault-tolerant mode with UCX's cma transport: a rank that dies while "
-            "sending a large message to a rank of its own machine ends that rank too. "
-            "Set COMMLIB_FAULT_TOLERANT=1 in the launch environment (commlib then starts "
-            "UCX without cma) or UCX_TLS=^cma", RuntimeWarning, stacklevel=3)
+            "commlib: fault-tolerant mode with UCX's rendezvous between ranks of one machine "
+            "(cma or tcp): a rank that dies while exchanging a large message with a rank of "
+            "its own machine can end that rank too. Set COMMLIB_FAULT_TOLERANT=1 in the "
+            "launch environment (commlib then starts UCX with "
+            f"UCX_RNDV_THRESH={ucx_env.FAULT_TOLERANT_RNDV_THRESH}) or set that variable",
+            RuntimeWarning, stacklevel=3)
 
 
 def _cores() -> int:

@@ -1,44 +1,59 @@
 """UCX settings that must be in place before MPI starts (UCX is the wheel's default netmod;
 it reads its environment once, in ``MPI_Init``).
 
-Fault-tolerant mode leaves out UCX's cross-memory-attach transport (``cma``) unless the
-user chose ``UCX_TLS``. With ``cma``, a large message between two ranks of one machine is
-copied by the receiver straight out of the sender's memory (``process_vm_readv``). When the
-sender dies during that copy, the read fails ("No such process") and MPICH ends the
-*receiving* rank with it: a survivor dies of its peer's death. On the development machine
-(2 ranks, one hydra proxy each, ``-disable-auto-cleanup``, 16 MiB messages, the sender
-SIGKILLed while sending) the receiver died in 4 of 5 runs with ``cma`` and lived in 5 of 5
-without it. Without ``cma`` such messages go through shared-memory segments, which stay
-mapped when the sender dies; large intra-node messages then take about twice as long
-(the same probe: 23-34 messages in 1 s against 68).
+In fault-tolerant mode no message between two ranks of one machine may go through a UCX
+transport that can see the peer die: MPICH's UCX netmod does not handle a request that
+completes with an error, and the survivor dies with its peer. Two such transports exist on
+one machine, both used only by UCX's rendezvous protocol (large messages):
+
+* ``cma`` (cross-memory attach): the receiver copies straight out of the sender's memory
+  (``process_vm_readv``); when the sender dies during the copy, the read fails ("No such
+  process") and MPICH ends the receiver. Measured on the development machine (2 ranks, one
+  hydra proxy each, ``-disable-auto-cleanup``, 16 MiB messages, the sender SIGKILLed while
+  sending): the receiver died in 4 of 5 runs.
+* ``tcp``: with ``cma`` left out (``UCX_TLS=^cma``), UCX takes ``tcp`` over the machine's
+  own interface for the rendezvous lanes between two ranks of one machine
+  (``UCX_LOG_LEVEL=info``: ``intra-node cfg#1 tag(sysv/memory tcp/eth0)``). A peer's death
+  resets that connection, and MPICH then segfaults in the survivor's next collective
+  (measured: 2 of 24 4-rank jobs under load, ``tests/test_elastic_ft.py``).
+
+So fault-tolerant mode keeps every transport and turns off rendezvous between ranks of one
+machine (``UCX_RNDV_THRESH=intra:inf,inter:auto``): every intra-node message goes as eager
+fragments through shared-memory segments (``sysv``/``posix``), which stay mapped when a
+peer dies and never report an error; messages between machines keep UCX's choice. Large
+intra-node messages then take about twice as long (the probe above: 32-34 messages of
+16 MiB a second against 68 with ``cma``).
 """
 from __future__ import annotations
 
 import os
 from typing import MutableMapping
 
-#: ``UCX_TLS`` for fault-tolerant mode when the user set none: every transport but ``cma``.
-FAULT_TOLERANT_UCX_TLS = "^cma"
+#: ``UCX_RNDV_THRESH`` for fault-tolerant mode when the user set none: no rendezvous
+#: between ranks of one machine, UCX's own choice between machines.
+FAULT_TOLERANT_RNDV_THRESH = "intra:inf,inter:auto"
 
 
 def prepare_fault_tolerant(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Set ``UCX_TLS`` to :data:`FAULT_TOLERANT_UCX_TLS` unless it is set; call before MPI
-    starts. Returns whether it was set here."""
+    """Set ``UCX_RNDV_THRESH`` to :data:`FAULT_TOLERANT_RNDV_THRESH` unless it is set;
+    call before MPI starts. Returns whether it was set here."""
     env = os.environ if environ is None else environ
-    if env.get("UCX_TLS") is not None:
+    if env.get("UCX_RNDV_THRESH") is not None:
         return False
-    env["UCX_TLS"] = FAULT_TOLERANT_UCX_TLS
+    env["UCX_RNDV_THRESH"] = FAULT_TOLERANT_RNDV_THRESH
     return True
 
 
-def cma_excluded(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Whether ``UCX_TLS`` (UCX's syntax: a list of transports, or ``^`` and the list of
-    those left out) leaves ``cma`` out."""
+def intra_node_rndv_off(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether ``UCX_RNDV_THRESH`` (UCX's syntax: a comma-separated list of a value and
+    ``intra:``/``inter:`` pairs, the plain value being the default) turns rendezvous
+    between ranks of one machine off (``inf``)."""
     env = os.environ if environ is None else environ
-    tls = (env.get("UCX_TLS") or "").strip()
-    if not tls:
-        return False
-    if tls.startswith("^"):
-        return "cma" in {t.strip() for t in tls[1:].split(",")}
-    names = {t.strip() for t in tls.split(",")}
-    return not names & {"cma", "all", "sm", "shm"}
+    default, intra = "auto", None
+    for item in (env.get("UCX_RNDV_THRESH") or "").split(","):
+        key, sep, value = item.strip().partition(":")
+        if not sep:
+            default = key.strip().lower() or default
+        elif key.strip().lower() == "intra":
+            intra = value.strip().lower()
+    return (intra if intra is not None else default) == "inf"

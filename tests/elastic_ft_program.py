@@ -149,4 +149,7 @@ while it < args.iters:
             raise AssertionError("the world did not shrink with the group")
 
 with open(os.path.join(args.outdir, f"rank{world_rank}.json"), "w") as f:
-    json.dump({"rank": world_rank, "iters": it, "groups": groups, "failures": failures}, f)
+    from commlib import fault_tolerance as ft_module
+    watcher = ft_module.watcher()
+    json.dump({"rank": world_rank, "iters": it, "groups": groups, "failures": failures,
+               "polls": watcher.polls, "pmi_reads": watcher.pmi_reads}, f)

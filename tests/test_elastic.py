@@ -128,8 +128,8 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
 # A rare flake of issue 21's closing note (once in ~20 runs a survivor did not finish). Its
 # cause, found on 2026-12-02: the victim died in the middle of a large message to rank 0,
 # whose UCX cma copy out of the dead process failed and ended rank 0 ("process_vm_readv
-# ... No such process"). Fault-tolerant mode now leaves cma out (commlib.ucx_env,
-# tests/test_ucx_env.py); the rerun stays until more full runs back the fix.
+# ... No such process"). Fault-tolerant mode now turns UCX's rendezvous inside a machine off
+# (commlib.ucx_env, tests/test_ucx_env.py); the rerun stays until more full runs back the fix.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd"])
 def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):

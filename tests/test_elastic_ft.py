@@ -45,6 +45,9 @@ def check_job(tmp_path, case: str, status: int, out: str, left: list[int]) -> di
                                        f"{survivors}\n{out[-3000:]}"
     for rank, data in found.items():
         assert data["iters"] == 60, f"{case} rank {rank}: stopped at {data['iters']}"
+        # one machine: the deaths are seen from the process ids, never by asking hydra
+        # (a rank dying mid-request would end the job; commlib.failure_detection)
+        assert data["polls"] > 0 and data["pmi_reads"] == 0, (case, rank, data)
         assert [g["size"] for g in data["groups"]] == sizes, (case, rank, data["groups"])
         for g in data["groups"][1:]:
             assert g["ranks"] == survivors or len(g["ranks"]) > len(survivors), (case, g)

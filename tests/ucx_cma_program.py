@@ -2,15 +2,15 @@
 1 s, mostly in the middle of one; rank 0 keeps receiving (``Irecv`` + ``Test``) for 4 s
 and then prints ``receiver alive`` and how many messages it got. Under UCX's ``cma``
 transport the receiver's copy out of the dead sender's memory fails and MPICH ends the
-receiver; ``commlib`` imported first leaves ``cma`` out in fault-tolerant mode
-(``COMMLIB_FAULT_TOLERANT=1``, commlib.ucx_env). Run with one hydra proxy per rank and
+receiver; ``commlib`` imported first turns rendezvous inside a machine off in
+fault-tolerant mode (``COMMLIB_FAULT_TOLERANT=1``, commlib.ucx_env). Run with one hydra proxy per rank and
 ``-disable-auto-cleanup``."""
 import os
 import signal
 import threading
 import time
 
-import commlib  # noqa: F401 (before mpi4py.MPI: chooses UCX's transports)
+import commlib  # noqa: F401 (before mpi4py.MPI: chooses UCX's protocols)
 import numpy as np
 from mpi4py import MPI
 
@@ -29,6 +29,7 @@ else:
             req = comm.Irecv(buf, 1, 7)
         else:
             time.sleep(1e-4)
-    os.write(1, f"receiver alive: {got} messages, UCX_TLS={os.environ.get('UCX_TLS')}\n"
+    os.write(1, f"receiver alive: {got} messages, UCX_TLS={os.environ.get('UCX_TLS')} "
+             f"UCX_RNDV_THRESH={os.environ.get('UCX_RNDV_THRESH')}\n"
              .encode())
     os._exit(0)
