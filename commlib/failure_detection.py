@@ -65,18 +65,27 @@ class _Mpix:
             group.Free()
 
 
-def this_process() -> tuple[str, str, int, int]:
-    """What lets a peer of this machine watch this process: (the running kernel's boot id,
-    the pid namespace, the process id, its start time in clock ticks since boot); empty
-    strings where ``/proc`` does not say."""
-    pid = os.getpid()
+def boot_id() -> str:
+    """The running kernel's boot id: the same in every network, UTS, pid or container
+    namespace of one machine, different on another machine; empty where ``/proc`` does not
+    say."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def this_process() -> tuple[str, str, int, int]:
+    """What lets a peer of this machine watch this process: (:func:`boot_id`, the pid
+    namespace, the process id, its start time in clock ticks since boot); empty strings
+    where ``/proc`` does not say."""
+    pid = os.getpid()
+    try:
         ns = os.readlink("/proc/self/ns/pid")
     except OSError:
-        boot, ns = "", ""
-    return boot, ns, pid, _start_time(pid) or 0
+        ns = ""
+    return boot_id(), ns, pid, _start_time(pid) or 0
 
 
 def _start_time(pid: int) -> int | None:
@@ -285,7 +294,7 @@ class StoreDetector:
                     continue
                 host, pid = _text(self.world.call("get", key)).split()
                 peer = self.peers[r] = (host, int(pid))
-            if peer[0] == self.host and not _alive(peer[1]):
+            if peer[0] == self.host and _start_time(peer[1]) is None:
                 self.dead.add(r)
         if not self.dead <= self.world.dead:
             self.world.dead.update(self.dead)
@@ -294,15 +303,6 @@ class StoreDetector:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 _watcher: Watcher | None = None

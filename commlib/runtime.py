@@ -77,14 +77,8 @@ def _machine() -> str:
     """What names this process's machine for sharing cores: the running kernel's boot id
     (the same in every network, UTS or container namespace of one machine, so emulated
     nodes on one host count as one), else MPI's processor name."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-        if boot:
-            return "boot:" + boot
-    except OSError:
-        pass
-    return MPI.Get_processor_name()
+    boot = failure_detection.boot_id()
+    return "boot:" + boot if boot else MPI.Get_processor_name()
 
 
 def _warn_if_intra_rndv() -> None:
