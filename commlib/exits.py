@@ -81,6 +81,7 @@ class _Exits:
         self.lock = threading.Lock()
         self.closed = False  # the main thread owns the communicator (at exit)
         self.left: dict[int, tuple[int, str, float]] = {}  # rank -> (status, how, seen at)
+        self.sends: list[MPI.Request] | None = None  # this rank's exit messages, once sent
         self.first_seen: dict[int, tuple[Any, float]] = {}  # thread -> (pending, since)
 
     def drain(self) -> None:
@@ -145,6 +146,28 @@ def record_exit(status: int, how: str) -> None:
     """Remember how this rank is leaving (for the exit agreement's messages)."""
     global _exit_status
     _exit_status = (status, how)
+
+
+def announce_exit(status: int | None = None, how: str | None = None) -> None:
+    """Tell every other rank now that this rank is leaving the program (``status``/``how``
+    default to what :func:`record_exit` recorded): from here on it takes part only in the
+    collectives that every rank runs on its way out (the runner's end-of-script agreement),
+    so a peer that waits :data:`COMMLIB_EXIT_WINDOW` seconds in any collective of a group
+    holding it aborts the job instead of waiting ``COMMLIB_TIMEOUT``. The exit agreement
+    later sends nothing more. Idempotent; nothing in fault-tolerant mode (where a rank that
+    left counts as dead) or when the agreement is not armed."""
+    ex = _state
+    if ex is None or options.fault_tolerant or MPI.Is_finalized():
+        return
+    recorded = _exit_status or (0, "its script ended, or raised SystemExit")
+    status = recorded[0] if status is None else status
+    how = recorded[1] if how is None else how
+    with ex.lock:
+        if ex.closed or ex.sends is not None:
+            return
+        me, n = ex.comm.Get_rank(), ex.comm.Get_size()
+        ex.sends = [ex.comm.isend((status, how), dest=r, tag=EXIT_TAG)
+                    for r in range(n) if r != me]
 
 
 def _sys_exit(arg: Any = None) -> None:
@@ -234,7 +257,8 @@ def _agree() -> None:
     status, how = _exit_status or (0, "its script ended, or raised SystemExit")
     if options.fault_tolerant:
         _leave(ex, status, how)
-    sends = [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n) if r != me]
+    sends = ex.sends if ex.sends is not None else \
+        [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n) if r != me]
     barrier = comm.Ibarrier()
     limit, name = ((float(options.exit_window), "COMMLIB_EXIT_WINDOW") if status else
                    (float(options.timeout), "COMMLIB_TIMEOUT"))

@@ -118,9 +118,10 @@ serial_only = pytest.mark.skipif(_world_size() > 1,
                                  reason="launches its own mpiexec; run in the serial session")
 
 
-def mpich_segments() -> list[str]:
-    """The MPICH shared-memory segments (``/dev/shm/mpich_*``) this process maps, by name,
-    whether or not the name still exists (Linux; empty elsewhere)."""
+def shm_segments() -> list[str]:
+    """The shared-memory files (``/dev/shm/*``: MPICH's ``mpich_*``, Open MPI's
+    ``sm_segment.*``, Intel MPI's, torch's) this process maps, by name, whether or not the
+    name still exists (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as f:
             lines = f.read().splitlines()
@@ -130,14 +131,18 @@ def mpich_segments() -> list[str]:
     for line in lines:
         parts = line.split(None, 5)
         path = parts[5].strip() if len(parts) == 6 else ""
-        if path.startswith("/dev/shm/mpich_"):
+        if path.startswith("/dev/shm/"):
             names.add(os.path.basename(path.removesuffix(" (deleted)")))
     return sorted(names)
 
 
+#: The name the fault programs used before other runtimes were tested.
+mpich_segments = shm_segments
+
+
 def leftover_segments(out: str) -> list[str]:
     """The segments a job's ranks announced (``SHM [names]`` lines, see
-    :func:`mpich_segments`) that are still in ``/dev/shm``: the job left them behind."""
+    :func:`shm_segments`) that are still in ``/dev/shm``: the job left them behind."""
     import json
     import re
     names = {n for m in re.findall(r"SHM (\[[^\]]*\])", out) for n in json.loads(m)}

@@ -135,10 +135,10 @@ def run(script: str | None, module: str | None, script_args: Sequence[str]) -> N
     except SystemExit as exc:
         clean = exc.code in (None, 0)
         gc.collect()  # the script's unreachable wrappers close now, on every rank alike
-        sync.end_of_training(clean, "end of script")
+        sync.end_of_training(clean, "end of script", leaving=True)
         raise
     gc.collect()
-    sync.end_of_training(clean, "end of script")
+    sync.end_of_training(clean, "end of script", leaving=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -93,20 +93,30 @@ def sync_point(reason: str, wrappers: list[Any] | None = None) -> None:
               f"({reason}){state}: {'; '.join(parts)}", file=sys.stderr, flush=True)
 
 
-def end_of_training(clean: bool, reason: str = "end of training") -> None:
+def end_of_training(clean: bool, reason: str = "end of training",
+                    leaving: bool = False) -> None:
     """The end-of-training sync point: if every rank got here cleanly and they hold the same
-    wrappers, average (collective: every rank that ever tracked a wrapper takes part, clean
-    or not)."""
-    if not _state["ever"]:
+    wrappers, average (collective over every rank that ever tracked a wrapper).
+
+    A rank that got here uncleanly (a non-zero exit) runs no collective at all: the others
+    may still be training, and the exit agreement (:mod:`commlib.exits`) ends the job within
+    ``COMMLIB_EXIT_WINDOW``; a rank waiting here for it is ended the same way. ``leaving``
+    (the runner's end of script): first tell the other ranks that this one is leaving, so
+    that a rank still training, whose next collective this one will never join, ends the
+    job after ``COMMLIB_EXIT_WINDOW`` instead of waiting for ``COMMLIB_TIMEOUT``."""
+    if not _state["ever"] or not clean:
         return
+    if leaving:
+        from .. import exits
+        exits.announce_exit()
     import numpy as np
 
     from ..primitives import allreduce
     from ..reduce_ops import ReduceOp
     wrappers = live()
-    agreed = np.array([1 if clean else 0, len(wrappers), -len(wrappers)], dtype=np.int64)
+    agreed = np.array([len(wrappers), -len(wrappers)], dtype=np.int64)
     allreduce(agreed, ReduceOp.MIN)
-    if agreed[0] == 1 and agreed[1] == -agreed[2]:
+    if agreed[0] == -agreed[1]:
         sync_point(reason, wrappers)
 
 
