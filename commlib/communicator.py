@@ -76,6 +76,7 @@ class Communicator:
         self._node: tuple[Communicator, Communicator | None] | None = None
         self._node_bcast: Communicator | None = None
         self.gate = Gate()
+        self.abandoned: list[Any] = []  # operations given up on (see abandon)
 
     # -- bookkeeping around blocking calls -------------------------------------------------
     def next_seq(self) -> int:
@@ -191,16 +192,49 @@ class Communicator:
         """Collective: a communicator over the same ranks with its own message space."""
         return Communicator(self.mpi.Dup(), self.watchdog, name, self.world_ranks)
 
+    def abandon(self, pending: Any) -> None:
+        """``pending`` (an operation on this communicator with an ``is_completed()``
+        method, e.g. a :class:`commlib.Work`) is given up on: MPI cannot cancel a collective,
+        so it may still complete (a late peer arrives). :meth:`free` keeps the MPI
+        communicators while any such operation is unfinished."""
+        self.abandoned.append(pending)
+
+    def unfinished(self) -> list[Any]:
+        """The abandoned operations that have not completed (tested now)."""
+        left = []
+        for pending in self.abandoned:
+            try:
+                if not pending.is_completed():
+                    left.append(pending)
+            except Exception:  # noqa: BLE001 - an operation that failed is over
+                pass
+        self.abandoned = left
+        return left
+
     def free(self) -> None:
         """Release the MPI communicators behind this one (the node and leader ones and the
         checking one included); MPI has a limited number of them. Call it on every rank
-        once nothing uses the communicator any more."""
+        once nothing uses the communicator any more.
+
+        A communicator with an abandoned operation that has not completed is not freed but
+        kept for good (:data:`KEPT`): the operation may still complete, and Open MPI 5
+        crashes (SIGSEGV in its next call) when a communicator is freed under a pending
+        nonblocking collective, where the MPI standard says the free is deferred (MPICH
+        does so); see :mod:`commlib.mpi_impl`."""
         comms = [self.mpi, self._check_comm]
         if self._node is not None:
             comms += [c.mpi for c in self._node if c is not None]
             comms.append(self._node_bcast.mpi)
-        for comm in comms:
-            if comm is not None and comm != MPI.COMM_NULL:
+        comms = [c for c in comms if c is not None and c != MPI.COMM_NULL]
+        if self.unfinished():
+            KEPT.append((self.name, comms, self.abandoned))
+        else:
+            for comm in comms:
                 comm.Free()
         self.mpi = MPI.COMM_NULL
         self._check_comm = self._node = self._node_bcast = None
+
+
+#: ``(name, MPI communicators, unfinished operations)`` of communicators freed while an
+#: abandoned operation on them was unfinished: never freed (see :meth:`Communicator.free`).
+KEPT: list[tuple[str, list[Any], list[Any]]] = []

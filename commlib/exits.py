@@ -44,9 +44,9 @@ code can fail:
   ``os._exit`` with its status after flushing ``sys.stdout``/``sys.stderr`` and ``logging``:
   never ``MPI_Finalize``, which waits forever for a dead peer. ``atexit`` handlers registered
   before commlib was imported do not run in this mode.
-* MPICH's **shared-memory segments** lose their names in ``/dev/shm`` once every rank is
-  past ``MPI_Init`` (:mod:`commlib.shm`), so that no exit path, a rank killed included,
-  can leave them behind; every abort path releases whatever was mapped since.
+* The MPI library's **shared-memory segments** lose their names in ``/dev/shm`` once every
+  rank of the node maps them (:mod:`commlib.shm`), so that no exit path, a rank killed
+  included, can leave them behind; every abort path releases whatever was mapped since.
 """
 from __future__ import annotations
 
@@ -122,8 +122,7 @@ def arm(collective: bool = True) -> None:
                 MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
             return
         comm = MPI.COMM_WORLD.Dup()
-        comm.Barrier()  # every rank is past MPI_Init: every segment is mapped by its node
-        shm.release()
+        shm.release_node(comm)  # the segments every rank of the node maps lose their names
         _state = _Exits(comm)
         from . import fault_tolerance
         fault_tolerance.SOURCES.append(_left_long_ago)

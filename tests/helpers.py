@@ -71,19 +71,38 @@ def tolerance(dtype: str) -> float:
     return {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6}.get(dtype, 1e-12)
 
 
+def mpi_impl():
+    """The MPI implementation under test (:func:`commlib.mpi_impl.current`)."""
+    from commlib.mpi_impl import current
+    return current()
+
+
 def clean_env(**extra: str | None) -> dict:
-    """Environment for a child ``mpiexec``: without this process's MPI/PMI variables;
-    ``extra`` set on top (a ``None`` value unsets the variable)."""
+    """Environment for a child ``mpiexec``: without this process's MPI/PMI variables, with
+    what the implementation's launcher needs (Open MPI's as root); ``extra`` set on top (a
+    ``None`` value unsets the variable)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_", "MPI_", "OMPI_"))}
+           if not k.startswith(("PMI_", "PMIX_", "MPIR_", "HYDRA_", "MPI_", "OMPI_", "PRTE_",
+                                "I_MPI_HYDRA_"))}
+    env.update(mpi_impl().launch_env())
     env.update(extra)
     return {k: v for k, v in env.items() if v is not None}
 
 
 def mpiexec() -> str:
-    """The ``mpiexec`` of this Python environment (the mpich wheel puts it next to python)."""
+    """The ``mpiexec`` of this Python environment (the MPI wheels put it next to python)."""
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return here if os.path.exists(here) else "mpiexec"
+
+
+def mpiexec_cmd(n: int, *args: str, fault_tolerant: bool = False) -> list[str]:
+    """``[mpiexec, *args, <the implementation's options for n ranks>, -n, n]``
+    (oversubscription, fault-tolerant launch: :meth:`commlib.mpi_impl.Implementation.
+    launch_args`); skips the test when fault-tolerant mode is refused on it."""
+    try:
+        return [mpiexec(), *args, *mpi_impl().launch_args(n, fault_tolerant)]
+    except ValueError as exc:
+        pytest.skip(str(exc))
 
 
 def run_mpi(n: int, args: list[str], timeout: float, mpiexec_args: tuple[str, ...] = (),
@@ -93,7 +112,7 @@ def run_mpi(n: int, args: list[str], timeout: float, mpiexec_args: tuple[str, ..
     Returns (exit status, seconds, combined output); a run that outlives ``timeout`` is
     killed with its whole process group and reported as status -9.
     """
-    cmd = [mpiexec(), *mpiexec_args, "-n", str(n), sys.executable] + args
+    cmd = mpiexec_cmd(n, *mpiexec_args) + [sys.executable] + args
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=clean_env(**env), start_new_session=True, text=True)

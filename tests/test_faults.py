@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, leftover_segments, mpiexec, run_mpi, serial_only
+from helpers import clean_env, leftover_segments, mpiexec_cmd, run_mpi, serial_only
 
 HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "fault_program.py")
@@ -32,7 +32,7 @@ def run_split(n: int, args: list, timeout: float, **env) -> tuple[int, float, st
     ``timeout`` (status -9)."""
     import sys
     start = time.monotonic()
-    proc = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable] + args, text=True,
+    proc = subprocess.Popen(mpiexec_cmd(n) + [sys.executable] + args, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=clean_env(**env), start_new_session=True)
     try:

@@ -223,6 +223,13 @@ class Work:
         self._done = True
         return True
 
+    def abandon(self) -> None:
+        """Give up on this operation (a timeout): it stays pending in MPI, which may still
+        complete it, so its buffers stay alive and its communicator is never freed while it
+        is unfinished (:meth:`commlib.communicator.Communicator.abandon`)."""
+        if not self._done:
+            self._comm.abandon(self)
+
     def result(self) -> Any:
         """The result of a completed operation (``wait()`` first)."""
         if not self._done:

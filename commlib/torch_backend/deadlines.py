@@ -37,8 +37,16 @@ from ..options import options
 from .convert import where
 
 #: Operations given up on: MPI may still read or write their buffers, so they are never
-#: freed.
+#: freed (and their communicators are not freed while they are unfinished).
 abandoned: list = []
+
+
+def abandon(*pending: Any) -> None:
+    """Give up on ``pending`` (:class:`commlib.Work` handles): kept alive here, and their
+    communicators kept while they are unfinished (:meth:`commlib.Work.abandon`)."""
+    for work in pending:
+        abandoned.append(work)
+        work.abandon()
 
 
 def seconds(timeout: Any) -> float | None:
@@ -101,7 +109,7 @@ class GroupDeadlines:
         """Complete ``pending`` by ``deadline`` and return its value, or raise (see the
         module docstring). Inside MPI when the deadline is not before the watchdog's."""
         if collective and self.broken is not None:
-            abandoned.append(pending)
+            abandon(pending)
             self.check(op)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if timeout_s >= options.timeout:
@@ -112,5 +120,5 @@ class GroupDeadlines:
             self.broken = f"{op} (timeout {timeout_s:g} s)"
         elif pending.cancel(0.1):
             raise self.timed_out(op, timeout_s, collective=False)
-        abandoned.append(pending)
+        abandon(pending)
         raise self.timed_out(op, timeout_s, collective)

@@ -24,7 +24,7 @@ import numpy as np
 import torch.distributed as dist
 
 from .. import primitives as P
-from .deadlines import abandoned, poll
+from .deadlines import abandon, poll
 
 #: (token, acknowledgement) tags; user tags must stay below these.
 TAGS = (1 << 28, (1 << 28) + 1)
@@ -69,7 +69,7 @@ def run(group: P.Group, rank: int, timeout_s: float, wait_all_ranks: bool) -> No
             for r in range(1, n)]
     for r, work in zip(range(1, n), acks):
         if not poll(work, deadline):
-            abandoned.extend(acks)
+            abandon(*acks)
             raise dist.DistBackendError(f"[Rank 0]: Rank {r} failed to pass "
                                         f"monitoredBarrier in {ms} ms (no acknowledgement "
                                         f"received)")

@@ -1,0 +1,92 @@
+"""The facts commlib needs about one MPI implementation (see :mod:`commlib.mpi_impl`)."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One MPI implementation as commlib uses it. Instances are made by
+    :func:`commlib.mpi_impl.identify` from ``MPI_Get_library_version``'s text.
+
+    Each field says what differs from the others; the code that depends on it reads it here
+    instead of assuming one implementation.
+    """
+
+    #: Short key: ``"mpich"``, ``"openmpi"``, ``"intel"``, ``"unknown"``.
+    key: str = "unknown"
+    #: Human name, e.g. ``"Open MPI"``.
+    name: str = "unknown MPI"
+    #: The version, e.g. ``"5.0.11"`` (empty when not found).
+    version: str = ""
+    #: The ABI family: ``"mpich"`` (MPICH, Intel MPI, Cray MPICH, MVAPICH) or ``"openmpi"``.
+    abi: str = "unknown"
+    #: Name prefixes (basenames) of the shared-memory files the implementation creates in
+    #: ``/dev/shm`` and leaves behind when a job does not finalize (:mod:`commlib.shm`).
+    shm_prefixes: tuple[str, ...] = ()
+    #: The pip package that ships it as a wheel (``pip install mpi4py <package>``).
+    wheel: str = ""
+    #: ``mpiexec`` options for more ranks than cores (Open MPI refuses without one).
+    oversubscribe_args: tuple[str, ...] = ()
+    #: Environment that the launcher needs when run as root (Open MPI refuses root).
+    root_env: tuple[tuple[str, str], ...] = ()
+    #: ``mpiexec`` options under which a dead rank does not end the whole job (what
+    #: fault-tolerant mode needs), or None when the implementation offers none.
+    keep_running_args: tuple[str, ...] | None = None
+    #: How fault-tolerant mode learns of dead ranks: ``"pmi"`` (commlib's detector over
+    #: the launcher's PMI list of dead processes and ``/proc``), ``"ulfm"`` (the MPI
+    #: library's own User-Level Failure Mitigation), or None (refused).
+    fault_tolerance: str | None = None
+    #: Why fault-tolerant mode is refused (when ``fault_tolerance`` is None).
+    fault_tolerance_refusal: str = ""
+    #: Whether libmpi's PMI-1 client can be served from a store (torchrun, Kubernetes,
+    #: ``srun --mpi=none``: :mod:`commlib.launch`).
+    store_world: bool = False
+    #: Why a store-backed world cannot be formed (when ``store_world`` is false).
+    store_world_refusal: str = ""
+    #: The ``srun --mpi=`` plugins under which Slurm forms this implementation's world.
+    slurm_mpi_plugins: tuple[str, ...] = ()
+    #: Whether UCX carries its messages by default (the UCX settings of
+    #: :mod:`commlib.ucx_env` then apply).
+    uses_ucx: bool = False
+    #: Known defects worked around in commlib, one line each (documentation and
+    #: ``commlib-info``).
+    known_bugs: tuple[str, ...] = field(default_factory=tuple)
+
+    def launch_args(self, n: int, fault_tolerant: bool = False,
+                    oversubscribe: bool | None = None) -> list[str]:
+        """``mpiexec`` options for ``n`` ranks on this machine (``-n n`` last):
+        oversubscription when ``n`` exceeds the cores (or ``oversubscribe``), and the
+        options fault-tolerant mode needs. Raises ``ValueError`` when fault-tolerant mode
+        is refused on this implementation."""
+        args: list[str] = []
+        if oversubscribe is None:
+            oversubscribe = n > (os.cpu_count() or 1)
+        if oversubscribe:
+            args += self.oversubscribe_args
+        if fault_tolerant:
+            if self.keep_running_args is None:
+                raise ValueError(f"fault-tolerant mode is not available on {self.name}: "
+                                 f"{self.fault_tolerance_refusal}")
+            args += self.keep_running_args
+        return args + ["-n", str(n)]
+
+    def launch_env(self) -> dict[str, str]:
+        """Variables the launcher needs in its environment (e.g. to run as root)."""
+        return dict(self.root_env) if hasattr(os, "geteuid") and os.geteuid() == 0 else {}
+
+    def is_segment(self, name: str) -> bool:
+        """Whether the ``/dev/shm`` file ``name`` (a basename) is one of this
+        implementation's shared-memory segments."""
+        return name.startswith(self.shm_prefixes) if self.shm_prefixes else False
+
+    def describe(self) -> str:
+        return f"{self.name} {self.version}".strip()
+
+
+def first_version(text: str) -> str:
+    """The first ``N.N[.N...]`` in ``text`` (empty if none)."""
+    found = re.search(r"(\d+\.\d+(?:\.\d+)*)", text)
+    return found.group(1) if found else ""
