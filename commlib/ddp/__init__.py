@@ -1,4 +1,5 @@
 """The DDP wrapper layer."""
+from .replicas import RelaxedReplicaWarning, per_rank_state
 from .wrapper import DistributedDataParallel
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "RelaxedReplicaWarning", "per_rank_state"]

@@ -15,7 +15,7 @@ from ..algorithms.buckets import plan
 from ..options import options
 from ..primitives import allreduce, broadcast, new_group
 from ..reduce_ops import ReduceOp
-from . import arguments
+from . import arguments, replicas
 from .consistency import check_same_model
 from .engine import Engine
 from .graph import reached_parameters
@@ -132,6 +132,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                                     lambda: end_iteration()())
         self._rebuild_buckets()
         self._optimizer_hooks = _register_optimizer_hooks(self)
+        self._averaged_step = self._ctx.step  # replicas equal (broadcast) at construction
+        self._replica_warned = False
+        self._state_dict_hook = replicas.watch_state_dicts(self)
 
     # -- torch DDP surface -------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -254,13 +257,31 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         """Collective: replace every parameter by its average over the group (e.g. to make
         decentralized or local-SGD replicas equal before evaluation or saving). Runs the
         algorithm's pending end-of-iteration work first, so that nothing queued before the
-        call changes the parameters afterwards: on return every rank holds the same values."""
+        call changes the parameters afterwards: on return every rank holds the same values
+        and :attr:`replicas_may_differ` is ``False`` until the next iteration ends."""
         self._start_iteration(reset=False)
         params = [p for _, p in self._ctx.named_parameters]
         if params and self.process_group.size > 1:
             with self.algorithm.parameters_averaging(self._ctx):
                 self._coalesced(params, lambda flat: allreduce(flat, ReduceOp.AVG,
                                                                self.process_group))
+        self._averaged_step = self._ctx.step
+
+    @property
+    def replicas_may_differ(self) -> bool:
+        """Whether the ranks' replicas may differ now: the algorithm is relaxed (it
+        exchanges weights: ``local_sgd``, ``decentralized``, ...), the group has more than
+        one rank, and an iteration ended since construction or the last
+        :meth:`average_parameters`. The same on every rank (every rank counts the same
+        iterations), so it may decide a collective; no communication.
+
+        While it holds, a state dict of the module (``ddp.state_dict()``,
+        ``ddp.module.state_dict()``) is this rank's replica only: the first one taken warns
+        (:class:`commlib.ddp.RelaxedReplicaWarning`, once per wrapper, naming
+        :meth:`average_parameters`; see :mod:`commlib.ddp.replicas`). ``state_dict()``
+        itself never communicates: only one rank may call it."""
+        return (self.process_group.size > 1 and replicas.is_relaxed(self.algorithm)
+                and self._ctx.step != self._averaged_step)
 
     def close(self) -> None:
         """Stop the algorithm and the communication thread; remove every hook; release the
@@ -270,6 +291,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._closed = True
         for handle in self._optimizer_hooks:
             handle.remove()
+        self._state_dict_hook.remove()
         self._hooks.remove()
         try:
             self.algorithm.teardown(self._ctx)

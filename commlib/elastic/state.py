@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..ddp.replicas import per_rank_state
 from ..errors import CommError
 from ..primitives import broadcast, world
 
@@ -146,7 +147,9 @@ class State:
         snap = _Snapshot(self.step if step is None else step,
                          copy.deepcopy(self.values) if values is None else values)
         if full:
-            snap.model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            with per_rank_state():  # each rank's own replica, on purpose
+                snap.model = {k: v.detach().clone()
+                              for k, v in self.model.state_dict().items()}
             snap.optimizer = (copy.deepcopy(self.optimizer.state_dict())
                               if self.optimizer is not None else None)
             snap.algorithm = (self._wrapper.algorithm.state_dict()
@@ -271,9 +274,11 @@ class State:
         d = self.__dict__
         if group.rank == root:
             buffer = io.BytesIO()
+            with per_rank_state():  # the root's replica, on purpose
+                model_state = self.model.state_dict()
             torch.save({"step": self.step, "values": self.values,
                         "target_size": self.target_size,
-                        "model": self.model.state_dict(),
+                        "model": model_state,
                         "optimizer": (self.optimizer.state_dict()
                                       if self.optimizer is not None else None),
                         "algorithm": getattr(self, "_algorithm_state", None)}, buffer)

@@ -19,15 +19,17 @@ that every rank passes at the same step of the same program:
   small allreduce); after a non-zero exit nothing is averaged (an exception aborts the
   job as usual).
 
-A wrapper is averaged only if it trained since its last average (an evaluation loader's
-end costs nothing). Gradient-exchanging algorithms keep replicas identical: they are never
-averaged. What a script must still do itself: average (``model.average_parameters()`` on
-every rank) before saving or evaluating at any other point, e.g. every N steps inside an
-epoch, after a loop that is not over a ``DistributedSampler`` (an ``IterableDataset``, an
-early ``break``), or when only some ranks evaluate mid-epoch. Optimizer states (momenta)
-are not averaged, and an unmodified script's snapshot carries no algorithm state, so a
-resumed run restarts the algorithm's schedule (correct, not bit-identical to an
-uninterrupted run).
+A wrapper is averaged only if it trained since its last average, whoever made it (a sync
+point, a framework's save, the script's own ``average_parameters()``; see
+``replicas_may_differ``): an evaluation loader's end costs nothing. Gradient-exchanging
+algorithms keep replicas identical: they are never averaged. What a script must still do
+itself: average (``model.average_parameters()`` on every rank) before saving or evaluating
+at any other point (a state dict of replicas that differ warns once, naming it), e.g.
+every N steps inside an epoch, after a loop that is not over a ``DistributedSampler`` (an
+``IterableDataset``, an early ``break``), or when only some ranks evaluate mid-epoch.
+Optimizer states (momenta) are not averaged, and an unmodified script's snapshot carries
+no algorithm state, so a resumed run restarts the algorithm's schedule (correct, not
+bit-identical to an uninterrupted run).
 """
 from __future__ import annotations
 
@@ -47,8 +49,14 @@ def configure(enabled: bool, verbose: bool) -> None:
 def track(ddp: Any) -> None:
     """Average ``ddp`` (a :class:`commlib.DistributedDataParallel`) at the sync points."""
     _tracked.append(weakref.ref(ddp))
-    ddp._commlib_synced_step = ddp._ctx.step
     _state["ever"] = True
+
+
+def enabled() -> bool:
+    """Whether relaxed replicas are averaged automatically (``--no-sync-points``,
+    ``COMMLIB_SYNC_POINTS=0`` under the runner turn it off): at the sync points and before
+    a framework saves (:mod:`commlib.integrations`)."""
+    return _state["enabled"]
 
 
 def live() -> list[Any]:
@@ -63,18 +71,17 @@ def live() -> list[Any]:
 
 def is_relaxed(ddp: Any) -> bool:
     """Whether ``ddp``'s algorithm currently lets replicas differ (it exchanges weights)."""
-    from ..algorithms.base import WEIGHTS
-    return getattr(ddp.algorithm, "exchanges", None) == WEIGHTS
+    from ..ddp.replicas import is_relaxed as relaxed
+    return relaxed(ddp.algorithm)
 
 
 def average(ddp: Any) -> bool:
     """Collective over ``ddp``'s group: average its replicas if its algorithm is relaxed
-    and it trained since the last average. Returns whether it averaged."""
-    if not is_relaxed(ddp) or getattr(ddp, "_commlib_synced_step", None) == ddp._ctx.step:
-        return False
-    ddp.average_parameters()
-    ddp._commlib_synced_step = ddp._ctx.step
-    return True
+    and it trained since the last average (``ddp.replicas_may_differ``, whoever averaged:
+    a sync point, a framework's save or the script's own ``average_parameters()``).
+    Returns whether it averaged."""
+    from ..ddp.replicas import average_if_apart
+    return average_if_apart(ddp)
 
 
 def sync_point(reason: str, wrappers: list[Any] | None = None) -> None:
@@ -124,8 +131,12 @@ def checksum(module: Any) -> str:
     """SHA-256 (first 16 hex digits) of ``module.state_dict()``'s names and bytes: what a
     snapshot of the module holds."""
     import torch
+
+    from ..ddp.replicas import per_rank_state
     digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
+    with per_rank_state():  # each rank's own replica, on purpose
+        state = module.state_dict()
+    for name, tensor in state.items():
         digest.update(name.encode())
         flat = tensor.detach().cpu().contiguous().view(-1)
         digest.update(flat.view(torch.uint8).numpy().tobytes())
