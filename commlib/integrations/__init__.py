@@ -3,7 +3,8 @@
 ``import commlib`` calls :func:`install`, which imports neither framework: it arranges for
 :mod:`.lightning` to register the ``"commlib"`` strategy when ``lightning.pytorch`` (or
 ``pytorch_lightning``) is imported, and for :mod:`.accelerate` to prepare Accelerate's
-environment when ``accelerate`` is imported (now, for a framework already imported).
+environment and patch it (the backend it records, averaging relaxed replicas before it
+saves) when ``accelerate`` is imported (now, for a framework already imported).
 
 * Lightning: ``Trainer(strategy="commlib")`` or
   ``Trainer(strategy=CommlibStrategy(algorithm="local_sgd", sync_every=4))``
@@ -25,7 +26,7 @@ from typing import Any, Callable
 HOOKS = {
     "lightning.pytorch.strategies": "lightning:register_lightning",
     "pytorch_lightning.strategies": "lightning:register_pytorch_lightning",
-    "accelerate": "accelerate:prepare_environment",
+    "accelerate": "accelerate:install",
 }
 _pending: dict[str, Callable[[], None]] = {}
 _finding = threading.local()

@@ -10,16 +10,44 @@ Recipes (launch with ``mpiexec -n N`` or ``torchrun``):
 * **one edit**: ``torch.distributed.init_process_group("commlib")`` before
   ``Accelerator()``: Accelerate takes that process group, so ``prepare(model)`` builds
   torch's ``DistributedDataParallel`` over commlib's MPI collectives, and so does every
-  collective of Accelerate. (``InitProcessGroupKwargs(backend="commlib")`` is refused by
-  Accelerate's own backend check, which only knows its built-in backends.)
+  collective of Accelerate. ``accelerator.state.backend`` is then ``"commlib"``, the default
+  group's backend (see *The backend Accelerate records*). (``InitProcessGroupKwargs(
+  backend="commlib")`` is refused by Accelerate's own backend check, which only knows its
+  built-in backends.)
 
 ``accelerator.unwrap_model()`` and ``accelerator.save_model()`` see through commlib's
 wrapper: Accelerate unwraps instances of ``torch.nn.parallel.DistributedDataParallel``
 (``accelerate.utils.extract_model_from_parallel``), which commlib's wrapper is a subclass
-of, so saved keys carry no ``module.`` prefix. With a relaxed algorithm, call
-``model.average_parameters()`` on every rank before saving (the runner's epoch-end sync
-points do it for loops over a ``DistributedSampler``; Accelerate's prepared loaders shard
-with their own samplers, so under Accelerate call it yourself).
+of, so saved keys carry no ``module.`` prefix.
+
+**Relaxed algorithms** (``--algorithm local_sgd``, ``decentralized``, ...: the replicas
+differ between synchronizations, see :mod:`commlib.ddp.replicas`). Per entry point:
+
+* ``accelerator.save_model(model, ...)`` and ``accelerator.save_state(...)`` average the
+  replicas of commlib's wrappers first (of ``model``, wrapped or not; of every prepared
+  model), collectively, when they trained since their last average: Accelerate has every
+  rank call them (its main process writes; under FSDP and DeepSpeed they are collectives
+  already). The file then holds the average of the replicas, and every rank trains on from
+  it. ``--no-sync-points`` (``COMMLIB_SYNC_POINTS=0``) turns this off.
+* ``accelerator.get_state_dict(model)``, ``unwrap_model(model).state_dict()``,
+  ``save_pretrained(...)``, ``model.state_dict()``: no collective (scripts call them on the
+  main process only, and a collective there would hang or mismatch): they return this
+  rank's replica, and the first one taken while the replicas differ warns
+  (``commlib.ddp.RelaxedReplicaWarning``, once per wrapper, naming
+  ``model.average_parameters()``). Call ``model.average_parameters()`` on every rank
+  before them (the runner's epoch-end sync points do not fire under Accelerate: its
+  prepared loaders shard with their own samplers, not a ``DistributedSampler``).
+
+**The backend Accelerate records.** ``PartialState`` chooses its backend from the device
+and the environment (``gloo`` for multi-process CPU) before it looks at torch.distributed,
+and keeps that name even when it finds the default process group already initialized
+(it then skips ``init_process_group``): with the one-edit recipe it would report ``gloo``
+while every collective goes to ``commlib``. :func:`install` wraps
+``PartialState._prepare_backend`` so that, once the default group is initialized, the
+backend it records is that group's (``torch.distributed.get_backend()``); Accelerate
+branches on it (``gather`` uses ``all_gather_into_tensor`` for backends other than gloo,
+which commlib's backend implements). It applies to states made after commlib is imported
+(``init_process_group("commlib")`` imports it).
 
 **Distributed on CPU without ``cpu=True``.** Accelerate chooses multi-process CPU training
 (``DistributedType.MULTI_CPU``) only when ``cpu=True`` or ``ACCELERATE_USE_CPU`` is true
@@ -27,16 +55,92 @@ with their own samplers, so under Accelerate call it yourself).
 says more than one process; without it a CPU-only machine runs each process alone
 (``DistributedType.NO``). :func:`prepare_environment` sets ``ACCELERATE_USE_CPU=true`` when
 this process is one of several and torch has no accelerator (never on a GPU machine, never
-over a value the user set); commlib calls it when ``accelerate`` is imported after commlib
-(or at ``import commlib`` if it already was) and the runner calls it at start.
+over a value the user set); commlib calls it (through :func:`install`) when ``accelerate``
+is imported after commlib (or at ``import commlib`` if it already was) and the runner calls
+it at start.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from typing import Any, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def install() -> None:
+    """What commlib does once ``accelerate`` is imported: :func:`prepare_environment`,
+    then :func:`patch`. Idempotent; local to this process."""
+    prepare_environment()
+    patch()
+
+
+def patch() -> None:
+    """Wrap three of Accelerate's methods (idempotent): ``PartialState._prepare_backend``
+    records the backend of an already initialized default process group; and
+    ``Accelerator.save_model`` and ``Accelerator.save_state`` first average the relaxed
+    replicas of commlib's wrappers (:func:`average_before_saving`; collective, as those
+    methods are called on every rank). Imports ``accelerate``."""
+    from accelerate import accelerator, state
+    _wrap(state.PartialState, "_prepare_backend", _recording_backend)
+    _wrap(accelerator.Accelerator, "save_model", _averaging_save_model)
+    _wrap(accelerator.Accelerator, "save_state", _averaging_save_state)
+
+
+def default_group_backend(chosen: str | None) -> str | None:
+    """The backend Accelerate should record, given the one it ``chose``: the default
+    process group's (``torch.distributed.get_backend()``) when one is initialized and
+    Accelerate chose a torch.distributed backend, else ``chosen``."""
+    if chosen is None or chosen == "xla":
+        return chosen
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return chosen
+    return str(dist.get_backend())
+
+
+def average_before_saving(models: list[Any]) -> list[Any]:
+    """Collective over every rank of the wrappers' groups: average the replicas of commlib's
+    wrappers that are, or wrap, a module inside ``models`` (Accelerate's prepared models are
+    the bare modules), in the same order on every rank, if they may differ
+    (``replicas_may_differ``). Nothing when ``--no-sync-points``
+    (``COMMLIB_SYNC_POINTS=0``). Returns the wrappers it averaged."""
+    from ..ddp.replicas import wrappers_in
+    from ..run import sync
+    if not sync.enabled():
+        return []
+    return [w for w in wrappers_in(models) if sync.average(w)]
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = cls.__dict__[name]
+    if getattr(original, "_commlib", False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    wrapped._commlib = True  # type: ignore[attr-defined]
+    setattr(cls, name, wrapped)
+
+
+def _recording_backend(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _prepare_backend(self: Any, *args: Any, **kwargs: Any) -> Any:
+        backend, distributed_type = original(self, *args, **kwargs)
+        return default_group_backend(backend), distributed_type
+    return _prepare_backend
+
+
+def _averaging_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def save_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        average_before_saving([model])
+        return original(self, model, *args, **kwargs)
+    return save_model
+
+
+def _averaging_save_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    def save_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        average_before_saving(list(self._models))
+        return original(self, *args, **kwargs)
+    return save_state
 
 
 def prepare_environment(environ: MutableMapping[str, str] | None = None) -> bool:
