@@ -15,13 +15,15 @@ Every run logs with ``sync_dist=True`` (training and validation), checkpoints ev
 (``ModelCheckpoint``) and validates every epoch. Each rank prints, per run, ``LIGHTNING
 {json}`` lines: the SHA-256 of its replica in every checkpoint it took (``ckpt``), at the
 end of ``fit`` (``end``), and the largest difference from the reference's parameters
-(``ref_diff``); the test compares the ranks' lines.
+(``ref_diff``) and how many ``RelaxedReplicaWarning`` it got during ``fit`` (``relaxed_warnings``:
+a state dict of replicas that differ); the test compares the ranks' lines.
 """
 import hashlib
 import json
 import os
 import sys
 import tempfile
+import warnings
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,6 +33,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 import commlib  # registers strategy="commlib"
+from commlib.ddp import RelaxedReplicaWarning
 from commlib.integrations.lightning import CommlibStrategy
 
 RANK = commlib.get_rank()
@@ -127,7 +130,15 @@ def fit(run, root):
                         callbacks=[ModelCheckpoint(dirpath=os.path.join(root, run),
                                                    save_top_k=-1, every_n_epochs=1),
                                    Measure(run)])
-    trainer.fit(model, data(), data())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RelaxedReplicaWarning)
+        trainer.fit(model, data(), data())
+    trainer.relaxed_warnings = 0
+    for w in caught:
+        if issubclass(w.category, RelaxedReplicaWarning):
+            trainer.relaxed_warnings += 1
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.distributed.destroy_process_group()
     return trainer, state, initial
@@ -144,6 +155,7 @@ def main(runs):
             (state[k] - reference[k]).abs().max().item() for k in reference)
         report(run=run, what="end", sha=sha(state), initial=initial, ref_diff=diff,
                logged=sorted(trainer.callback_metrics), wrapper=trainer.wrapper,
+               relaxed_warnings=trainer.relaxed_warnings,
                strategy=type(trainer.strategy).__name__)
 
 

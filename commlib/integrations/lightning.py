@@ -22,8 +22,11 @@ their synchronizations; the strategy averages them (every rank, collectively) be
 checkpoint is taken (``lightning_module_state_dict``, called on every rank by
 ``Trainer.save_checkpoint`` and ``ModelCheckpoint``), at the start of every validation run
 and at the end of ``fit`` (the strategy's ``on_train_end``, after the callbacks' and the
-module's own ``on_train_end``). Manual optimization works (the exchange happens in
-``manual_backward``; no reducer is involved).
+module's own ``on_train_end``), each time only if they trained since their last average
+(``replicas_may_differ``). A state dict of the module taken anywhere else while they
+differ (``model.state_dict()`` on one rank) is that rank's replica: it warns once
+(:class:`commlib.ddp.RelaxedReplicaWarning`, see :mod:`commlib.ddp.replicas`). Manual
+optimization works (the exchange happens in ``manual_backward``; no reducer is involved).
 
 torch's own DDP over MPI needs no strategy of ours: ``DDPStrategy(process_group_backend=
 "commlib")``.
@@ -143,8 +146,9 @@ def _build(pl: Any) -> type:
             pass
 
         def average_parameters(self) -> bool:
-            """Collective: average relaxed replicas now (if they trained since the last
-            average). Returns whether it averaged."""
+            """Collective (every rank): average relaxed replicas now, if they trained since
+            their last average (``replicas_may_differ``, the same on every rank). Returns
+            whether it averaged."""
             model = self.model
             if isinstance(model, DistributedDataParallel) and not model._closed:
                 return sync.average(model)
