@@ -23,7 +23,7 @@ from typing import Callable
 import numba
 import numpy as np
 
-import kernels
+from commlib import kernels
 
 HERE = Path(__file__).resolve().parent
 TARGET_RATIO = 0.5  # the CPU quantizer should reach half of memcpy bandwidth

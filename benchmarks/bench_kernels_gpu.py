@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-import kernels
+from commlib import kernels
 
 TARGET_RATIO = 0.5        # min-max quantizer and sign compressor vs copy, from 16 MiB on
 TARGET_FROM_MIB = 16

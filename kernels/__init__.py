@@ -1,7 +1,11 @@
 """Gradient compression kernels for commlib: min-max uint8, min-max int4 and 1-bit sign.
 
+Installed as ``commlib.kernels`` (``from commlib import kernels``), from the ``kernels/``
+folder of the source tree (setup.py's package_dir); there is no top-level
+``kernels``, the name of Hugging Face's package.
+
 Each compressor produces ONE contiguous uint8 buffer that describes itself (see
-``kernels._layout`` for the byte layout), so a piece can travel alone through an MPI
+``commlib.kernels._layout`` for the byte layout), so a piece can travel alone through an MPI
 alltoall or allgather and be decompressed by the receiver with no side information.
 Buffers of the same kind, element count and chunk size always have the same length.
 
@@ -43,7 +47,7 @@ Min-max uint8 (per chunk of ``chunk_size`` elements, the last one may be shorter
 the chunk's min and max as float32 and one code per element,
 ``q = rint((x - min) * (255 / (max - min)))``, decoded as
 ``x' = min(min + (q * (1 / 255)) * (max - min), max)`` (float32 throughout; the exact
-sequence of operations is in ``kernels._arith``). Constant chunks are exact. The error
+sequence of operations is in ``commlib.kernels._arith``). Constant chunks are exact. The error
 per element is at most ``(max - min) / 510`` plus float32 rounding.
 
 Min-max int4: as min-max uint8 with 15 levels, two codes per byte (low nibble first),
@@ -72,21 +76,35 @@ elements run on the calling thread. With several MPI ranks on one node, give eac
 its share of the cores: an oversubscribed pool (the OpenMP layer in particular) was
 measured 10-100x slower.
 
-Exact float32 arithmetic (``kernels._arith``) is shared by the CPU twin and the CUDA
+Exact float32 arithmetic (``commlib.kernels._arith``) is shared by the CPU twin and the CUDA
 kernel; under the CUDA simulator both give byte-identical buffers. On a GPU the
 compressed bytes should match too (no step is a multiply followed by an add, which the
 GPU compiler could fuse), and are tested to agree within one quantization level;
 dequantized values may differ in the last bits where the GPU fuses ``lo + a * rng``.
 """
+from __future__ import annotations
+
 from . import _threads
 
 _threads.configure()  # before anything imports Numba
 
-from ._api import (DEFAULT_CHUNK_SIZE, NONFINITE_MODES, all_chunks_finite, compress_sign,
-                   compressed_nbytes, decompress, decompress_sign, dequantize_minmax_uint8,
+from ._api import (DEFAULT_CHUNK_SIZE, NONFINITE_MODES, Array, all_chunks_finite,
+                   compress_sign, compressed_nbytes, decompress_sign, dequantize_minmax_uint8,
                    quantize_minmax_uint8, read_header)
 from ._int4 import dequantize_minmax_int4, header_bytes, quantize_minmax_int4
 from ._layout import MINMAX_INT4, MINMAX_UINT8, SIGN1, Layout
+
+
+def decompress(buf: Array, out: Array | None = None, *, impl: str | None = None) -> Array:
+    """Decompress any buffer from this package, dispatching on the kind in its header
+    (defined here: ``_int4`` builds on ``_api``, which therefore does not import it)."""
+    kind = read_header(buf).kind
+    if kind == MINMAX_UINT8:
+        return dequantize_minmax_uint8(buf, out, impl=impl)
+    if kind == MINMAX_INT4:
+        return dequantize_minmax_int4(buf, out, impl=impl)
+    return decompress_sign(buf, out, impl=impl)
+
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",

@@ -419,14 +419,3 @@ def decompress_sign(buf: Array, out: Array | None = None, *,
         dev, finish = D.output(buf, kind, lay.numel, "float32", out)
         _cuda_module("sign").unpack_signs(scales, bits, lay.chunk_size, lay.bits_stride, dev)
         return finish()
-
-
-def decompress(buf: Array, out: Array | None = None, *, impl: str | None = None) -> Array:
-    """Decompress any buffer from this package, dispatching on the kind in its header."""
-    kind = read_header(buf).kind
-    if kind == MINMAX_UINT8:
-        return dequantize_minmax_uint8(buf, out, impl=impl)
-    if kind == MINMAX_INT4:
-        from ._int4 import dequantize_minmax_int4
-        return dequantize_minmax_int4(buf, out, impl=impl)
-    return decompress_sign(buf, out, impl=impl)

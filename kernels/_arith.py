@@ -29,7 +29,7 @@ underflows for subnormal ranges, and ``(q / 255) * rng <= rng`` cannot overflow.
 final ``min`` keeps ``x'`` inside ``[lo, hi]`` where the products round up. Here a GPU
 may fuse the multiply and the add, so dequantized values agree to within rounding.
 
-Min-max int4 (``kernels._int4``), per chunk as above but with 15 levels and a per-chunk
+Min-max int4 (``commlib.kernels._int4``), per chunk as above but with 15 levels and a per-chunk
 step for decoding (the arithmetic of ``commlib.algorithms.int4``, bit for bit):
 
     scale = 15 / (rng * pre)                         (0 codes if rng == 0)

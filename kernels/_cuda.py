@@ -1,6 +1,6 @@
 """Lazy access to ``numba.cuda``, with an error that says what to install.
 
-Importing ``kernels`` never imports ``numba.cuda`` or ``cupy``; the CUDA kernel modules
+Importing ``commlib.kernels`` never imports ``numba.cuda`` or ``cupy``; the CUDA kernel modules
 call ``load_cuda()`` when they are first imported, which happens on the first call that
 runs with ``impl="cuda"``.
 """

@@ -1,5 +1,7 @@
 """CPU twin of the min-max int4 kernels (Numba, parallel over chunks); the arithmetic is
-in ``_arith``, the range pass is the uint8 kernel's (``_minmax_cpu._chunk_range``)."""
+in ``_arith``, the range pass is the uint8 kernel's (``_minmax_cpu._chunk_range``).
+
+Compiled code is cached beside this file; see ``_minmax_cpu`` for what the cache keys on."""
 from __future__ import annotations
 
 import numpy as np

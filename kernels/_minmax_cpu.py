@@ -1,5 +1,9 @@
 """CPU twin of the min-max uint8 kernels (Numba, parallel over chunks).
 
+Compiled code is cached beside this file (``cache=True``), keyed by the file's name, size
+and time and the function, not by the module's name (code cached as ``kernels.*`` fails to
+load as ``commlib.kernels.*``: a file moved to another package needs to change).
+
 Performance notes (why the code looks the way it does):
 
 * Every chunk is processed through a slice view indexed from 0. Indexing the whole

@@ -1,5 +1,7 @@
 """CPU twin of the 1-bit sign kernels with error feedback (Numba, parallel over chunks).
 
+Compiled code is cached beside this file; see ``_minmax_cpu`` for what the cache keys on.
+
 Compression runs in two passes so that a non-finite chunk is detected before any
 residual is touched: ``chunk_scales`` only reads, the caller checks ``status``, and only
 then ``pack_signs`` writes the bits and the updated residual (in place, or into a second

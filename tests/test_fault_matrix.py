@@ -222,7 +222,7 @@ def table(cells: list[Cell]) -> str:
 
 def _warm_numba_cache() -> None:
     """Compile the compression kernels once, before jobs compile them all at once."""
-    code = ("import numpy as np, kernels\n"
+    code = ("import numpy as np\nfrom commlib import kernels\n"
             "for n in (1000, 70000):\n"
             "    x = np.linspace(-1, 1, n, dtype=np.float32)\n"
             "    kernels.decompress(kernels.quantize_minmax_uint8(x, 256))\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kernels
+from commlib import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def _env(**extra):
 
 
 def test_import_does_not_pull_in_gpu_libraries_or_torch():
-    code = ("import sys, kernels; "
+    code = ("import sys; from commlib import kernels; "
             "print(sorted(m for m in ('numba.cuda', 'cupy', 'torch') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
                           text=True, timeout=120)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs NUMBA_ENABLE_CUDASIM=1 in the environment; run via "
            "test_kernels_api.py::test_cuda_simulator_matches_cpu")
 
-import kernels  # noqa: E402
+from commlib import kernels  # noqa: E402
 
 F32 = np.float32
 

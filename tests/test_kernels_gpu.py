@@ -22,7 +22,7 @@ def _real_gpu():
 
 pytestmark = pytest.mark.skipif(not _real_gpu(), reason="needs a CUDA GPU and numba-cuda")
 
-import kernels  # noqa: E402
+from commlib import kernels  # noqa: E402
 
 F32 = np.float32
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+from commlib import kernels
 from commlib.algorithms import int4
 
 F32 = np.float32

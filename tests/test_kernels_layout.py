@@ -4,7 +4,7 @@ import struct
 import numpy as np
 import pytest
 
-import kernels
+from commlib import kernels
 
 HEADER = struct.Struct("<4sBBHQQQ")
 

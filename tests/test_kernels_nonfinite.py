@@ -9,7 +9,7 @@ default) is unchanged. The CUDA path is checked against the CPU twin on the simu
 import numpy as np
 import pytest
 
-import kernels
+from commlib import kernels
 
 F32 = np.float32
 CHUNK = 60

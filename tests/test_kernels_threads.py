@@ -1,7 +1,7 @@
 """Numba's pool is sized to a rank's share of the node's cores from the launcher's variables."""
 import sys
 
-from kernels import _threads
+from commlib.kernels import _threads
 
 
 def test_share_of_the_cores_from_the_launcher(monkeypatch):

@@ -3,7 +3,7 @@ in-place residual and ``out=``. CUDA tensors are covered in test_kernels_gpu.py.
 import numpy as np
 import pytest
 
-import kernels
+from commlib import kernels
 
 torch = pytest.importorskip("torch")
 

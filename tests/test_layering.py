@@ -1,10 +1,13 @@
 """The house's layering, checked on the source: no import cycles among commlib's modules
 (imports inside functions and under ``TYPE_CHECKING`` count), and no layer imports one
-above it: base -> communicator -> primitives -> algorithms -> front-ends -> the package
-and its tools."""
+above it: kernels -> base -> communicator -> primitives -> algorithms -> front-ends -> the
+package and its tools. ``commlib.kernels`` (its source is the ``kernels/`` folder, mapped
+under commlib by setup.py) is the bottom: pure compute, importing nothing else of
+commlib and no MPI."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 
 import commlib
@@ -12,6 +15,7 @@ import commlib
 ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 
 LAYERS = [
+    {"kernels"},
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
      "mpi_env", "shutdown", "shm", "launch", "ucx_env"},
     {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "failure_detection",
@@ -24,14 +28,26 @@ LAYERS = [
 ]
 
 
+def kernels_dir() -> str:
+    """Where ``commlib.kernels`` is found (the ``kernels/`` folder in an editable install,
+    ``commlib/kernels`` in a wheel's), without importing it."""
+    spec = importlib.util.find_spec("commlib.kernels")
+    assert spec is not None and spec.origin, "commlib.kernels is not importable"
+    return os.path.dirname(spec.origin)
+
+
 def modules() -> dict[str, str]:
     found = {}
-    for folder, _, files in os.walk(os.path.join(ROOT, "commlib")):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(folder, f)
-                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                found[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    trees = [(os.path.join(ROOT, "commlib"), "commlib"), (kernels_dir(), "commlib.kernels")]
+    for top, package in trees:
+        for folder, _, files in os.walk(top):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    rel = os.path.relpath(path, top)[:-3].replace(os.sep, ".")
+                    name = package + "." + rel
+                    found[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    assert "commlib.kernels._api" in found and "commlib.primitives" in found, sorted(found)
     return found
 
 
@@ -129,6 +145,36 @@ def test_no_layer_imports_upward():
     assert not upward, f"imports from a lower layer into a higher one: {upward}"
 
 
+def test_kernels_are_pure_compute():
+    """commlib.kernels imports nothing of commlib but itself (the layer check: it is the
+    bottom layer) and no MPI, anywhere in its modules."""
+    graph = import_graph(modules())
+    kernels = [m for m in graph if m == "commlib.kernels" or m.startswith("commlib.kernels.")]
+    assert len(kernels) > 10 and all(layer(m) == 0 for m in kernels)
+    for name in kernels:
+        with open(modules()[name], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) and not n.level}
+        assert not {m for m in imported if m.split(".")[0] in ("mpi4py", "commlib")}, name
+
+
+def test_no_module_imports_a_top_level_kernels():
+    """``import kernels`` is Hugging Face's package wherever theirs is installed: commlib's
+    kernels are ``commlib.kernels`` (``from .. import kernels``) only."""
+    found = []
+    for name, path in modules().items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            found += [f"{name}: {n}" for n in names if n.split(".")[0] == "kernels"]
+    assert not found, found
+
+
 def test_the_checks_can_fail():
     """Negative controls: a cycle and an upward import are found in a made-up graph."""
     graph = {"commlib.runtime": {"commlib.timeline"}, "commlib.timeline":
@@ -137,4 +183,5 @@ def test_the_checks_can_fail():
     assert cycles(graph) == [sorted(["commlib.runtime", "commlib.timeline",
                                      "commlib.primitives.barrier"])]
     assert layer("commlib.timeline") > layer("commlib.runtime")
+    assert layer("commlib.primitives.compressed") > layer("commlib.kernels._api")
     assert cycles({"a": {"b"}, "b": set()}) == []

@@ -10,7 +10,7 @@ constant chunk), two codes per byte (element ``2i`` in the low nibble). Decoding
 element plus rounding. A chunk holding NaN or Inf, or whose ``hi - lo`` overflows, is
 stored as ``lo = hi = NaN`` with codes 0 and decodes to NaN entirely.
 
-Two implementations give the same bytes: the package ``kernels`` (Numba, CPU and CUDA;
+Two implementations give the same bytes: ``commlib.kernels`` (Numba, CPU and CUDA;
 layout ``minmax_int4``, whose sections are this format) wherever it runs, and torch
 operations otherwise (``impl="torch"``, e.g. on a GPU without ``numba-cuda``). On a GPU
 the decoded values may differ in the last bit where the compiler fuses the multiply-add.
@@ -63,9 +63,9 @@ def _use_kernels(x: torch.Tensor, impl: str | None) -> bool:
     if x.device.type not in ("cpu", "cuda"):
         return False
     try:
-        import kernels  # noqa: F401
+        from .. import kernels  # noqa: F401
         if x.device.type == "cuda":
-            from kernels._cuda import load_cuda
+            from ..kernels._cuda import load_cuda
             load_cuda()
     except (ImportError, RuntimeError):
         return False
@@ -103,7 +103,7 @@ def compress(x: torch.Tensor, chunk_size: int, impl: str | None = None) -> torch
     x = x.float()
     if not _use_kernels(x, impl):
         return _compress_torch(x, chunk_size)
-    import kernels
+    from .. import kernels
     rows, length = x.shape
     size = kernels.compressed_nbytes(length, chunk_size, kernels.MINMAX_INT4)
     full = torch.empty((rows, size), dtype=torch.uint8, device=x.device)
@@ -118,7 +118,7 @@ def decompress(buf: torch.Tensor, length: int, chunk_size: int,
     """Inverse of :func:`compress`: ``(rows, length)`` float32 on ``buf``'s device."""
     rows, chunks = buf.shape[0], max(1, math.ceil(length / chunk_size))
     if _use_kernels(buf, impl):
-        import kernels
+        from .. import kernels
         size = kernels.compressed_nbytes(length, chunk_size, kernels.MINMAX_INT4)
         full = torch.zeros((rows, size), dtype=torch.uint8, device=buf.device)
         full[:, :32] = torch.from_numpy(kernels.header_bytes(length, chunk_size)).to(

@@ -202,7 +202,7 @@ class StreamingDiLoCo(DiLoCo):
         n = self._group.size
         if self.quantize == "int4":
             return int4.roundtrip(x, CHUNK, n)
-        import kernels
+        from .. import kernels
         parts = int4._parts(x.detach().reshape(-1).float(), n)
         out = torch.stack([kernels.dequantize_minmax_uint8(
             kernels.quantize_minmax_uint8(row, CHUNK, nonfinite="nan")) for row in parts])

@@ -52,7 +52,7 @@ NONFINITE = ("propagate", "raise")
 def _kernels():
     """The compression kernels, imported on first use: Numba then loads with the first
     compressed exchange instead of at ``import commlib``."""
-    import kernels
+    from .. import kernels
     return kernels
 
 

@@ -92,7 +92,7 @@ def compressed_ring_exchange(tensor: Any, group: Any = None,
     both sides of every link; then this rank and its neighbours raise
     :class:`~commlib.errors.NonFiniteError` (``.ranks``: the ring ranks whose tensors were
     not finite) instead of returning anything."""
-    import kernels
+    from .. import kernels
     comm = resolve(group, "compressed_ring_exchange")
     flat = tensor.reshape(-1)
     codes = kernels.quantize_minmax_uint8(flat, chunk_size, nonfinite="nan")
@@ -117,7 +117,7 @@ def compressed_ring_exchange(tensor: Any, group: Any = None,
 
 
 def _check_finite(comm: Any, received: list) -> None:
-    import kernels
+    from .. import kernels
     bad = sorted({r for r, codes in received if not kernels.all_chunks_finite(codes)})
     if bad:
         error = NonFiniteError(f"{where('compressed_ring_exchange', comm.rank)}: the tensor of "

@@ -1,6 +1,6 @@
 """Compressed sharding collectives (ZeRO++'s qwZ and qgZ) over commlib.primitives.
 
-Both use the min-max block quantizers of :mod:`kernels`: ``"int8"``
+Both use the min-max block quantizers of :mod:`commlib.kernels`: ``"int8"``
 (``quantize_minmax_uint8``, one byte an element, 255 levels) and, for gradients,
 ``"int4"`` (``quantize_minmax_int4``, two codes a byte, 15 levels, even block sizes). Each
 block of ``block`` consecutive elements is sent as its codes plus its float32 ``(min, max)``
@@ -49,7 +49,7 @@ LEVELS = {"int8": 255, "int4": 15}
 
 
 def _kernels() -> Any:
-    import kernels   # imported on first use (Numba compiles on first load)
+    from .. import kernels   # imported on first use (Numba compiles on first load)
     return kernels
 
 
