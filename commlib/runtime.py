@@ -166,17 +166,28 @@ def check_launcher(environ: Any) -> None:
     why = launch.why_not() or "it was not attempted"
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
     if slurm:
+        from .mpi_impl import current
+        impl = current()
         job = environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID", "?"))
+        if impl.store_world:
+            fix = (f"under `srun --mpi=pmix` (or a cluster whose MpiDefault is pmix) "
+                   f"{impl.describe()}, which speaks PMI-1 only, cannot use Slurm's PMIx "
+                   f"server: run `srun --mpi=none python {script}` (commlib forms the world "
+                   f"from a store on the step's first node) or `srun --mpi=pmi2 python "
+                   f"{script}` (Slurm's PMI server)")
+        else:
+            plugins = " or ".join(f"`srun --mpi={p} python {script}`"
+                                  for p in impl.slurm_mpi_plugins) or "mpirun"
+            fix = (f"{impl.describe()} forms its world only from a PMIx server "
+                   f"({impl.store_world_refusal.split(';')[0]}): run {plugins} (Slurm built "
+                   f"with PMIx; `srun --mpi=list` shows the plugins), or `mpirun -n {n} "
+                   f"python {script}` inside the allocation")
         raise CommError(
             f"commlib.init (task {environ.get('SLURM_PROCID', '?')} of {n} of Slurm step "
             f"{job}.{step}): this process was started by srun, but MPI sees a world of 1 "
             f"process, so each task would run alone: commlib did not form the step's MPI "
-            f"world because {why}. Fix that: import commlib before mpi4py.MPI; under "
-            f"`srun --mpi=pmix` (or a cluster whose MpiDefault is pmix) the mpich wheel, "
-            f"which speaks PMI-1 only, cannot use Slurm's PMIx server: run "
-            f"`srun --mpi=none python {script}` (commlib forms the world from a store on "
-            f"the step's first node) or `srun --mpi=pmi2 python {script}` (Slurm's PMI "
-            f"server). If every task is meant to run alone, set COMMLIB_LAUNCH=mpi.")
+            f"world because {why}. Fix that: import commlib before mpi4py.MPI; {fix}. If "
+            f"every task is meant to run alone, set COMMLIB_LAUNCH=mpi.")
     if "TORCHELASTIC_RUN_ID" in environ or "GROUP_RANK" in environ:
         launcher = "torchrun (TORCHELASTIC_RUN_ID/GROUP_RANK are set)"
     else:

@@ -77,6 +77,28 @@ def mpi_impl():
     return current()
 
 
+def store_world_refusal() -> str | None:
+    """Why the MPI implementation under test cannot be given a world from a store (None
+    where it can: MPICH-ABI; Open MPI is refused, tested in test_mpi_impl.py)."""
+    impl = mpi_impl()
+    return None if impl.store_world else f"{impl.describe()}: {impl.store_world_refusal}"
+
+
+def requires_store_world(test):
+    """Decorator: skip a test of the store-backed world (torchrun, Kubernetes, srun without
+    an MPI plugin) where :func:`store_world_refusal` says why it cannot form (checked when
+    the test runs: importing this module must not initialize MPI)."""
+    import functools
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        why = store_world_refusal()
+        if why:
+            pytest.skip(why)
+        return test(*args, **kwargs)
+    return run
+
+
 def clean_env(**extra: str | None) -> dict:
     """Environment for a child ``mpiexec``: without this process's MPI/PMI variables, with
     what the implementation's launcher needs (Open MPI's as root); ``extra`` set on top (a

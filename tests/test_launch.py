@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, serial_only
+from helpers import clean_env, requires_store_world, serial_only
 
 from commlib.launch import environment, pmi, space
 from commlib.launch.world import fnv1a, shm_segments
@@ -103,6 +103,7 @@ def check_job(out: str, n: int) -> str:
     return name
 
 
+@requires_store_world
 @pytest.mark.parametrize("n", [2, 3])
 def test_torchrun_forms_one_mpi_world(n):
     code, out = torchrun(n, ["store"], timeout=240)
@@ -110,6 +111,7 @@ def test_torchrun_forms_one_mpi_world(n):
     check_job(out, n)
 
 
+@requires_store_world
 def test_torchrun_two_agents_c10d_rendezvous_two_nodes():
     # torchrun --nnodes 2 --rdzv-backend c10d: two agents (two "nodes" on this host, told
     # apart by GROUP_RANK) of 2 workers each: one MPI world of 4 with two nodes of 2.
@@ -136,6 +138,7 @@ def test_torchrun_two_agents_c10d_rendezvous_two_nodes():
         ["0/2", "0/2", "1/2", "1/2"], out
 
 
+@requires_store_world
 def test_kubernetes_style_env_world():
     # No launcher agent: rank 0 hosts the TCPStore on MASTER_PORT (torch's env://
     # rendezvous then reuses it), no LOCAL_* variables, one host.
@@ -147,6 +150,7 @@ def test_kubernetes_style_env_world():
     check_job(out, n)
 
 
+@requires_store_world
 def test_emulated_slurm_step_two_nodes():
     # An srun step of 3 tasks on two emulated nodes (SLURM_NODEID 0, 0, 1): MPI sees two
     # nodes (shared memory within node 0, the netmod between them); no MASTER_* set: the
@@ -174,6 +178,7 @@ def _port_free(port: int) -> bool:
         return False
 
 
+@requires_store_world
 def test_torchrun_max_restarts_after_sigkill_forms_a_fresh_world():
     # Rank 1 kills itself after the first allreduce; torchrun stops rank 0 and restarts
     # both: the second attempt forms a new world under a new namespace (the old one's
@@ -189,6 +194,7 @@ def test_torchrun_max_restarts_after_sigkill_forms_a_fresh_world():
     print(f"SIGKILL -> first allreduce of the new 2-rank world: {again - killed:.1f} s")
 
 
+@requires_store_world
 def test_explicit_finalize_and_exit_status_in_a_store_world():
     # mpi4py's MPI.Finalize() before the end does not hang (libmpi's PMI finalize is then
     # answered in advance); the interpreter's own exit status comes through.
@@ -205,6 +211,7 @@ def test_explicit_finalize_and_exit_status_in_a_store_world():
         assert word not in out, out
 
 
+@requires_store_world
 @pytest.mark.parametrize("how, aborter", [("mpi4py", 1), ("commlib", 0)])
 def test_an_abort_ends_every_rank_of_a_store_world(how, aborter):
     # Without an MPI launcher to kill the others, an abort reaches them through the store:
@@ -234,6 +241,7 @@ def test_an_abort_ends_every_rank_of_a_store_world(how, aborter):
     assert seconds < 60, f"{seconds:.0f} s: a rank waited for its watchdog\n{out}"
 
 
+@requires_store_world
 @pytest.mark.parametrize("alone", [0, 1])
 def test_a_rank_that_never_comes_is_named_within_the_timeout(alone):
     # WORLD_SIZE=2 but only rank `alone` starts. Rank 0 hosts the store and fails

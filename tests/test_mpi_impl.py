@@ -65,3 +65,60 @@ def test_segments_mapped_by_the_node_have_no_name():
     named = [path for path, _, still in shm.mapped() if still]
     assert named == [], f"rank {commlib.get_rank()}: still named: {named}"
     assert all(os.path.exists(p) is False for p, _, _ in shm.mapped())
+
+
+def test_store_world_refused_where_the_library_cannot_join_naming_mpirun(monkeypatch):
+    """Open MPI cannot be given a world from a store: refused before anything starts,
+    naming the launch line to use; MPICH-ABI libraries pass."""
+    import types
+
+    from commlib import mpi_impl
+    from commlib.launch import world
+    job = types.SimpleNamespace(launcher="torchrun", size=4)
+    monkeypatch.setattr(mpi_impl, "_current", identify(TEXTS["openmpi"]))
+    with pytest.raises(RuntimeError, match=r"mpirun -n 4 python .*srun --mpi=pmix"):
+        world.refuse(None, job)
+    for key in ("mpich", "intel"):
+        monkeypatch.setattr(mpi_impl, "_current", identify(TEXTS[key]))
+        world.refuse(None, job)
+
+
+TORCHRUN_PROGRAM = """
+import commlib, numpy as np
+commlib.init()
+total = int(commlib.allreduce(np.ones(1))[0])
+print(f"WORLD {commlib.get_rank()} {commlib.get_world_size()} {total}", flush=True)
+"""
+
+
+def test_torchrun_forms_the_world_or_is_refused_on_every_rank(tmp_path):
+    """Under torchrun (2 processes): the store-backed world forms on MPICH-ABI libraries
+    (an allreduce over both); on Open MPI every process fails at import with the refusal
+    naming ``mpirun``, never two worlds of one process or a hang."""
+    import re
+    import subprocess
+    import sys
+
+    from helpers import clean_env, serial_only  # noqa: F401
+    if _world_size() > 1:
+        pytest.skip("launches its own torchrun; run in the serial session")
+    pytest.importorskip("torch")
+    program = tmp_path / "program.py"
+    program.write_text(TORCHRUN_PROGRAM)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", "--monitor-interval=0.5", str(program)],
+                          capture_output=True, text=True, timeout=240,
+                          env=clean_env(OMP_NUM_THREADS="1"))
+    out = proc.stdout + proc.stderr
+    if current().store_world:
+        assert proc.returncode == 0, out[-3000:]
+        assert sorted(re.findall(r"WORLD (\d) 2 2", out)) == ["0", "1"], out[-3000:]
+    else:
+        assert proc.returncode != 0 and "WORLD" not in out, out[-3000:]
+        assert out.count("cannot join the processes torchrun started") >= 2, out[-3000:]
+        assert "mpirun -n 2 python program.py" in out, out[-3000:]
+
+
+def _world_size() -> int:
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from entry_points import autoload_pythonpath
-from helpers import clean_env, serial_only
+from helpers import clean_env, serial_only, store_world_refusal
 from test_lightning import identical
 from test_runner import DESTROY, EPOCHS, MINGPT, assert_identical, snapshot_checksum, \
     sync_points
@@ -28,6 +28,8 @@ pytest.importorskip("tomllib")
 pytest.importorskip("commlib.launch")
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = serial_only
+if store_world_refusal():
+    pytest.skip(store_world_refusal(), allow_module_level=True)
 N = 2
 
 

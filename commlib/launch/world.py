@@ -239,6 +239,27 @@ def _finalize_wrapper(original: Callable[[], None], world: StoreWorld) -> Callab
     return Finalize
 
 
+def refuse(MPI: Any, job: Job) -> None:
+    """Raise ``RuntimeError`` naming what to do instead when the MPI library mpi4py loaded
+    cannot be given a world from a store (:attr:`commlib.mpi_impl.Implementation.
+    store_world`: Open MPI), before anything is started: every rank fails at once."""
+    from ..mpi_impl import current
+    impl = current(MPI)
+    if impl.store_world:
+        return
+    import sys
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
+    plugins = " or ".join(f"`srun --mpi={p}`" for p in impl.slurm_mpi_plugins)
+    raise RuntimeError(
+        f"{impl.describe()} cannot join the processes {job.launcher} started into one MPI "
+        f"world: {impl.store_world_refusal or 'commlib does not know this MPI library'}. "
+        f"Launch with `mpirun -n {job.size} python {script}` instead (commlib then sets "
+        f"torch's env:// variables from MPI){', or ' + plugins + ' under Slurm' if plugins else ''}, "
+        f"or use an MPICH-ABI runtime, which commlib can start from a store "
+        f"(`pip install mpich` or `pip install impi-rt` in place of `{impl.wheel or 'it'}`). "
+        f"COMMLIB_LAUNCH=mpi runs each process as a world of its own.")
+
+
 def form(job: Job, environ: Any = None) -> StoreWorld:
     """Make ``MPI.COMM_WORLD`` the job's world (see the module docstring). MPI must not
     be initialized yet."""
@@ -246,6 +267,7 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     start = time.perf_counter()
     timeout = timeout_s(env)
     MPI = libmpi.import_mpi_uninitialized()
+    refuse(MPI, job)
     lib = libmpi.load(MPI)
     import torch.distributed  # noqa: F401 - timed on its own: most of the cost when cold
     imported = time.perf_counter()

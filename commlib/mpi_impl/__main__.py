@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --launch: the options fault-tolerant mode needs")
     parser.add_argument("--launch-env", action="store_true",
                         help="print the launcher's environment as KEY=VALUE lines")
+    parser.add_argument("--shm-prefixes", action="store_true",
+                        help="print the name prefixes of its /dev/shm files, one per line")
     args = parser.parse_args(argv)
     from . import current
     impl = current()
@@ -26,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"python -m commlib.mpi_impl: {exc}", file=sys.stderr)
             return 2
+    elif args.shm_prefixes:
+        print("\n".join(impl.shm_prefixes))
     elif args.launch_env:
         print("\n".join(f"{k}={v}" for k, v in impl.launch_env().items()))
     elif args.json:
