@@ -3,9 +3,11 @@
 Run by :func:`commlib.primitives.ft.shrink` on every survivor of a fault-tolerant group;
 only point-to-point messages on a control communicator (a ``Dup`` of ``MPI_COMM_WORLD``
 made while every rank was alive), nonblocking and polled, so that a peer dying at any
-moment never blocks it. Built on the failure detector of :mod:`commlib.fault_tolerance`,
-which is *perfect* (a rank is reported dead only once its process has ended; no false
-suspicions) and *eventually complete* (every survivor eventually sees every death).
+moment never blocks it (under ULFM the probes acknowledge the failures first, see
+:mod:`commlib.ft_backend`, which also says why ``MPI_Comm_agree`` is not used). Built on
+the failure detector of :mod:`commlib.fault_tolerance`, which is *perfect* (a rank is
+reported dead only once its process has ended; no false suspicions) and *eventually
+complete* (every survivor eventually sees every death).
 
 Each survivor ``p`` keeps ``D_p``, the ranks of the group it knows dead (its detector's, the
 ranks that left the program, and every ``D`` a peer sent it: all of them really dead), and a
@@ -40,6 +42,7 @@ from typing import Any, Callable, Iterable
 from mpi4py import MPI
 
 from .errors import CommError
+from .ft_backend import iprobe_any, isend
 
 #: Tag of the agreement's messages on the control communicator.
 AGREE_TAG = 21
@@ -87,7 +90,7 @@ class Agreement:
 
     def _drain(self) -> None:
         status = MPI.Status()
-        while self.ctl.Iprobe(MPI.ANY_SOURCE, AGREE_TAG, status):
+        while iprobe_any(self.ctl, AGREE_TAG, status):  # ULFM: failures acknowledged
             source = status.Get_source()
             universe, dead, generation, value = self.ctl.recv(source=source, tag=AGREE_TAG)
             self.heard.setdefault((universe, source), {})[(dead, generation)] = value
@@ -117,8 +120,8 @@ class Agreement:
             if sent != (known, generation):
                 message = (universe, known, generation, value)
                 for q in universe:
-                    if q != me and q not in known:
-                        self.sent.append(self.ctl.isend(message, dest=q, tag=AGREE_TAG))
+                    if q != me and q not in known:  # (None: the library knows q dead)
+                        self.sent.append(isend(self.ctl, message, q, AGREE_TAG))
                 sent = (known, generation)
                 self.rounds += 1
             live = [q for q in universe if q not in known]

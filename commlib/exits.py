@@ -60,6 +60,7 @@ from mpi4py import MPI
 
 from . import shm, shutdown
 from .communicator import describe_pending
+from .ft_backend import iprobe_any, isend, sent
 from .mpi_env import launcher_world
 from .options import options
 from .watchdog import POLLERS, abort_job
@@ -88,7 +89,7 @@ class _Exits:
         """Receive the exit messages that have arrived (caller holds the lock or owns the
         communicator)."""
         status = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, EXIT_TAG, status):
+        while iprobe_any(self.comm, EXIT_TAG, status):  # ULFM: failures acknowledged
             source = status.Get_source()
             code, how = self.comm.recv(source=source, tag=EXIT_TAG)
             self.left[source] = (code, how, time.monotonic())
@@ -342,14 +343,14 @@ def _leave(ex: _Exits, status: int, how: str) -> None:
     gone = fault_tolerance.dead_in_world()
     # Messages to the living only, and no collective: nothing may be sent to a dead rank
     # (see commlib.fault_tolerance).
-    sends = [comm.isend((status, how), dest=r, tag=EXIT_TAG) for r in range(n)
+    sends = [isend(comm, (status, how), r, EXIT_TAG) for r in range(n)
              if r != me and r not in gone]
     start = time.monotonic()
     limit = float(options.exit_window) if status == 0 else SEND_GRACE_S
     while time.monotonic() - start < limit:
         ex.drain()
         gone = fault_tolerance.dead_in_world()
-        if status != 0 and all(s.Test() for s in sends):
+        if status != 0 and all(sent(s) for s in sends):
             break
         if all(r == me or r in ex.left or r in gone for r in range(n)):
             break  # everyone alive has left too: nobody can wait for this rank

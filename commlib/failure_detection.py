@@ -4,15 +4,17 @@ processes of the job are dead, read by one daemon thread per process.
 * :class:`LocalProcesses`: peers on this machine and in this process's pid namespace, from
   their process ids (exchanged by :func:`commlib.init`): a peer is dead once its process is
   gone, a zombie, or another process with its id. No message is involved.
-* ``MPIX_Comm_get_failed`` (through ctypes, :class:`_Mpix`) reads the launcher's list of
-  dead processes: hydra's ``PMI_dead_processes`` when ``mpiexec`` runs with
-  ``-disable-auto-cleanup``, or the store-backed world of :mod:`commlib.launch`, which
-  answers the same PMI key (``shared/notes/surviving-a-dead-rank.md``). Read only while
-  some peer of ``MPI_COMM_WORLD`` is not covered by :class:`LocalProcesses` (on another
-  machine): every read is a PMI round trip, and a rank that dies while its own read is in
-  flight makes hydra's proxy fail to forward the answer ("unable to forward PMI response
-  to MPI process"), after which ``mpiexec`` ends the whole job (measured: 1 of 24 4-rank
-  jobs under load, when every rank polled).
+* The launcher's or library's list of dead processes (:meth:`commlib.ft_backend.Backend.
+  detector`: ``MPIX_Comm_get_failed``, through ctypes on MPICH, where it reads hydra's
+  ``PMI_dead_processes`` when ``mpiexec`` runs with ``-disable-auto-cleanup`` or the
+  store-backed world of :mod:`commlib.launch`, which answers the same PMI key
+  (``shared/notes/surviving-a-dead-rank.md``); ULFM's ``MPI_Comm_get_failed`` on Open MPI;
+  none on Intel MPI). Read only while some peer of ``MPI_COMM_WORLD`` is not covered by
+  :class:`LocalProcesses` (on another machine), or once after an MPI error reported a
+  failure (:meth:`Watcher.urgent`): on MPICH every read is a PMI round trip, and a rank
+  that dies while its own read is in flight makes hydra's proxy fail to forward the answer
+  ("unable to forward PMI response to MPI process"), after which ``mpiexec`` ends the
+  whole job (measured: 1 of 24 4-rank jobs under load, when every rank polled).
 * :class:`StoreDetector`: in a store-backed world, process ids on this host and heartbeats
   in the store across hosts.
 * :class:`Watcher` polls every detector every :data:`POLL_S` seconds, keeps the monotone
@@ -21,7 +23,6 @@ processes of the job are dead, read by one daemon thread per process.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -29,40 +30,13 @@ from typing import Any, Callable, Iterable
 
 from mpi4py import MPI
 
+from . import ft_backend
+
 #: Seconds between two reads of the launcher's list of dead processes.
 POLL_S = 0.02
 #: Extra failure detectors: callables returning world ranks known dead (e.g. a store-backed
 #: world's monitor); read by the watcher on every poll.
 SOURCES: list[Callable[[], Iterable[int]]] = []
-
-
-class _Mpix:
-    """``MPIX_Comm_get_failed(MPI_COMM_WORLD)`` through ctypes, as world ranks."""
-
-    def __init__(self) -> None:
-        self.fn = None
-        try:
-            lib = ctypes.CDLL(MPI.__file__)  # resolves through libmpi, which it links
-            fn = lib.MPIX_Comm_get_failed
-        except (OSError, AttributeError):
-            return
-        fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
-        fn.restype = ctypes.c_int
-        self.fn = fn
-        self.world = MPI.COMM_WORLD.Get_group()
-
-    def __call__(self) -> list[int]:
-        if self.fn is None or MPI.Is_finalized():
-            return []
-        handle = ctypes.c_uint(0)
-        if self.fn(MPI._handleof(MPI.COMM_WORLD), ctypes.byref(handle)) != 0:
-            return []
-        group = MPI.Group.fromhandle(handle.value)
-        try:
-            n = group.Get_size()
-            return list(MPI.Group.Translate_ranks(group, list(range(n)), self.world)) if n else []
-        finally:
-            group.Free()
 
 
 def boot_id() -> str:
@@ -158,10 +132,12 @@ class Watcher:
         # wait id -> (box, comm): an FTComm's wait, woken when a death concerns comm
         self.waiting: dict[int, tuple[Any, Any]] = {}
         self.listeners: list[Callable[[frozenset], None]] = []
-        self.mpix = _Mpix()
-        self.available = self.mpix.fn is not None
+        self.launcher = ft_backend.backend().detector()
+        self.available = self.launcher is not None
         self.polls = 0
-        self.pmi_reads = 0  # polls that asked the launcher (MPIX_Comm_get_failed)
+        self.launcher_reads = 0  # polls that read self.launcher: a peer on another machine
+        self.urgent_reads = 0  # reads of it after an MPI error reported a failure (ULFM)
+        self._urgent = False
         self.changed = threading.Condition(self.lock)
         # The "world ranks" the dead are counted in: MPI_COMM_WORLD's, until a grown world
         # (spawned ranks merged in) replaces it (see rebase).
@@ -184,9 +160,14 @@ class Watcher:
         """Read every detector now; interrupt the waits that a new death concerns."""
         local = _local
         found = set() if local is None else set(local())
-        if local is None or not local.covers_world():
-            self.pmi_reads += 1
-            found.update(self.mpix())
+        if self.launcher is not None:
+            if local is None or not local.covers_world():
+                self.launcher_reads += 1
+                found.update(self.launcher())
+            elif self._urgent:
+                self._urgent = False
+                self.urgent_reads += 1
+                found.update(self.launcher())
         for source in list(SOURCES):
             try:
                 found.update(int(r) for r in source())
@@ -211,6 +192,11 @@ class Watcher:
             except Exception:  # noqa: BLE001
                 pass
         return dead
+
+    def urgent(self) -> None:
+        """An MPI operation ended with a failure (ULFM): read the launcher's list at the
+        next poll even if every peer is on this machine."""
+        self._urgent = True
 
     def to_base(self, ranks: Iterable[int]) -> set[int]:
         """Ranks of this process's ``MPI_COMM_WORLD`` (what the detectors report) as ranks
@@ -318,6 +304,9 @@ def watcher() -> Watcher:
             if _watcher is None:
                 from . import launch
                 world = launch.current()
+                # the MPI library refuses, or cannot watch this job: CommError, every rank
+                ft_backend.backend().check(_local is not None and _local.covers_world(),
+                                           world is not None)
                 if world is not None:
                     SOURCES.append(StoreDetector(world))
                 _watcher = Watcher()
@@ -335,6 +324,6 @@ def dead() -> frozenset[int]:
 
 
 def available() -> bool:
-    """Whether ``MPIX_Comm_get_failed`` can be called (otherwise only :data:`SOURCES`
-    detect failures)."""
+    """Whether the launcher's or library's list of dead processes can be read (otherwise
+    only the peers of this machine and :data:`SOURCES` are watched)."""
     return watcher().available

@@ -2,6 +2,13 @@
 on every survivor, never a hang (``COMMLIB_FAULT_TOLERANT=1`` or
 ``commlib.init(fault_tolerant=True)``).
 
+What follows was built on the MPICH wheel; what differs on other MPI libraries (Open MPI's
+ULFM, Intel MPI's launcher) is in :mod:`commlib.ft_backend`: there an operation can
+complete *with an error* once a peer died (``MPI_ERR_PROC_FAILED``, ``MPI_ERR_REVOKED``),
+which every wait, start and helper thread here turns into :class:`PeerFailure` (after the
+detector names the dead, :data:`DETECT_S` at most), and a wait given up on is interrupted
+(``MPI_Comm_revoke``) so that its waiter thread comes back instead of staying in MPI.
+
 The MPICH wheel has no working ULFM (``MPIX_Comm_revoke``/``shrink``/``agree`` abort in
 ch4), and no MPI operation ever completes with an error once a peer is dead: a blocking
 ``MPI_Allreduce`` waits forever. What works (``shared/notes/surviving-a-dead-rank.md``):
@@ -52,6 +59,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 from functools import reduce as _fold
 from typing import Any, Callable, Iterable
 
@@ -59,16 +67,25 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import PeerFailure
+from .ft_backend import backend as _backend
 # Detection (the watcher thread and its detectors) is commlib.failure_detection's; these
 # names are part of this module's API too.
 from .failure_detection import (POLL_S, SOURCES, StoreDetector, Watcher,  # noqa: F401
                                 available, dead, dead_in_world, watcher)
 
-__all__ = ["ABANDONED", "FTComm", "FTRequest", "adopt", "in_thread", "POLL_S", "SOURCES",
-           "StoreDetector", "Watcher", "available", "dead", "dead_in_world", "watcher"]
+__all__ = ["ABANDONED", "FTComm", "FTRequest", "adopt", "failure", "in_thread", "POLL_S",
+           "SOURCES", "StoreDetector", "Watcher", "available", "dead", "dead_in_world",
+           "watcher"]
 
-#: Requests given up on, with their buffers and communicators: kept for good (see above).
+#: Requests given up on, with their buffers and communicators: kept for good (see above;
+#: also those that ended with a ULFM error: a revoked collective's late messages).
 ABANDONED: list[Any] = []
+#: Seconds a wait whose operation ended with a failure error (ULFM) waits for the detector
+#: to name the dead before it raises :class:`PeerFailure` all the same.
+DETECT_S = 5.0
+#: Seconds a wait given up on waits for its waiter thread to come back once the
+#: communicator is revoked (ULFM); a waiter that does not is left in ``MPI_Wait``.
+INTERRUPT_S = 2.0
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -77,13 +94,16 @@ _local = threading.local()
 
 
 class _Box:
-    """One wait handed to a :class:`_Waiter`: set when the request completed (``done``)
-    or when the watcher gives up on it (a peer died)."""
-    __slots__ = ("event", "done")
+    """One wait handed to a :class:`_Waiter`: ``event`` is set when the request completed
+    (``done``; ``error``: the MPI error it ended with, ULFM) or when the watcher gives up
+    on it (a peer died); ``back`` once the waiter returned from ``MPI_Wait``."""
+    __slots__ = ("event", "back", "done", "error")
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.back = threading.Event()
         self.done = False
+        self.error: BaseException | None = None
 
 
 class _Waiter:
@@ -103,8 +123,12 @@ class _Waiter:
     def _run(self) -> None:
         while True:
             req, status, box = self.jobs.get()
-            req.Wait(status)
+            try:
+                req.Wait(status)
+            except BaseException as exc:  # noqa: BLE001 - ULFM: ended with an error
+                box.error = exc
             box.done = True
+            box.back.set()
             box.event.set()
 
 
@@ -132,8 +156,7 @@ class FTRequest:
         w = comm.watcher
         if w.dead - comm.known_dead:
             self._give_up()
-        if self.req.Test(status):
-            self.keep = None
+        if self.Test(status):
             return True
         box = _Box()
         key = id(box)
@@ -147,16 +170,26 @@ class FTRequest:
         box.event.wait()
         with w.lock:
             w.waiting.pop(key, None)
-        if box.done:
+        if not box.done:  # a peer died: interrupt the wait where the library can (ULFM)
+            if _backend().interrupt(comm):
+                box.back.wait(INTERRUPT_S)
+            if not box.back.is_set():
+                _local.waiter = None  # that one stays in MPI_Wait
+                ABANDONED.append(waiter)
+        if box.done and box.error is None:
             self.keep = None
             return True
-        _local.waiter = None  # that one stays in MPI_Wait
-        ABANDONED.append(waiter)
-        self._give_up()
+        self._give_up(box.error)
         return False
 
     def Test(self, status: Any = None) -> bool:
-        if self.req.Test(status):
+        try:
+            done = self.req.Test(status)
+        except MPI.Exception as exc:
+            if not _backend().failure_error(exc):
+                raise
+            self._give_up(exc)
+        if done:
             self.keep = None
             return True
         if self.comm.watcher.dead - self.comm.known_dead:
@@ -166,9 +199,39 @@ class FTRequest:
     def Cancel(self) -> None:
         self.req.Cancel()
 
-    def _give_up(self) -> None:
+    def _give_up(self, error: BaseException | None = None) -> None:
         ABANDONED.append((self.req, self.keep, self.comm))
-        raise self.comm.failure(self.op)
+        if error is not None and not _backend().failure_error(error):
+            raise error
+        raise failure(self.comm, self.op, error)
+
+
+def failure(comm: Any, op: str, error: BaseException | None = None) -> PeerFailure:
+    """The :class:`PeerFailure` of ``op`` on ``comm`` (an :class:`FTComm`, or any object
+    with ``failed``, ``failure(op)`` and ``watcher``). ``error``: the MPI error that
+    reported it (ULFM): the communicator is revoked, so that every member's pending
+    operations on it end too, and the detector gets up to :data:`DETECT_S` seconds to name
+    the dead."""
+    if error is not None:
+        if isinstance(comm, FTComm):
+            _backend().interrupt(comm)
+        w = comm.watcher
+        w.urgent()
+        deadline = time.monotonic() + DETECT_S
+        while not comm.failed and time.monotonic() < deadline:
+            w.wait_change(w.dead, 0.05)
+    return comm.failure(op)
+
+
+def _start(comm: "FTComm", op: str, start: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``start(comm, *args, **kwargs)`` (an ``MPI_I...`` call): a failure it reports (ULFM:
+    the communicator is revoked, a peer known dead) is :class:`PeerFailure`."""
+    try:
+        return start(comm, *args, **kwargs)
+    except MPI.Exception as exc:
+        if not _backend().failure_error(exc):
+            raise
+        raise failure(comm, op, exc) from None
 
 
 # -- communicators -------------------------------------------------------------------------
@@ -179,7 +242,8 @@ def _nonblocking(name: str) -> Callable:
     def method(self: "FTComm", *args: Any, **kwargs: Any) -> FTRequest:
         if self.watcher.dead - self.known_dead:  # never start anything towards the dead
             raise self.failure(name)
-        return FTRequest(start(self, *args, **kwargs), self, (args, kwargs), name)
+        return FTRequest(_start(self, name, start, *args, **kwargs), self, (args, kwargs),
+                         name)
 
     method.__name__ = name
     return method
@@ -191,7 +255,8 @@ def _blocking(name: str, inonblocking: str) -> Callable:
     def method(self: "FTComm", *args: Any, **kwargs: Any) -> None:
         if self.watcher.dead - self.known_dead:
             raise self.failure(name)
-        FTRequest(start(self, *args, **kwargs), self, (args, kwargs), name).Wait()
+        FTRequest(_start(self, name, start, *args, **kwargs), self, (args, kwargs),
+                  name).Wait()
 
     method.__name__ = name
     return method
@@ -240,7 +305,9 @@ class FTComm(MPI.Intracomm):
         members = [r for r in gone if r in self.world_ranks]
         me = MPI.COMM_WORLD.Get_rank()
         what = (f"world rank(s) {members} of this communicator" if members else
-                f"world rank(s) {gone} of the job (outside this communicator)")
+                f"world rank(s) {gone} of the job (outside this communicator)" if gone else
+                f"a process (the MPI library reported it within {DETECT_S:g} s; commlib's "
+                f"detector has not named it yet)")
         return PeerFailure(
             f"commlib (rank {me}): {what} failed while this rank waited in MPI {op} on "
             f"the fault-tolerant communicator {self.name or '?'} (world ranks "
@@ -256,8 +323,8 @@ class FTComm(MPI.Intracomm):
     # -- communicator creation ----------------------------------------------------------
     def Dup(self, info: Any = None) -> "FTComm":
         self.check("Comm_idup")
-        new, req = (MPI.Intracomm.Idup(self) if info is None
-                    else MPI.Intracomm.Idup(self, info))
+        new, req = _start(self, "Comm_idup", MPI.Intracomm.Idup,
+                          *(() if info is None else (info,)))
         FTRequest(req, self, new, "Comm_idup").Wait()
         return adopt(new, self.known_dead, self.name)
 
@@ -293,15 +360,16 @@ class FTComm(MPI.Intracomm):
     def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
              status: Any = None) -> None:
         self.check("Recv")
-        FTRequest(MPI.Intracomm.Irecv(self, buf, source, tag), self, buf, "Recv").Wait(status)
+        FTRequest(_start(self, "Recv", MPI.Intracomm.Irecv, buf, source, tag), self, buf,
+                  "Recv").Wait(status)
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
                  status: Any = None) -> None:
         # Not MPI_Isendrecv: MPICH 5.0.2 leaves its status' count at 0.
         self.check("Sendrecv")
-        recv = MPI.Intracomm.Irecv(self, recvbuf, source, recvtag)
-        send = MPI.Intracomm.Isend(self, sendbuf, dest, sendtag)
+        recv = _start(self, "Sendrecv", MPI.Intracomm.Irecv, recvbuf, source, recvtag)
+        send = _start(self, "Sendrecv", MPI.Intracomm.Isend, sendbuf, dest, sendtag)
         FTRequest(send, self, sendbuf, "Sendrecv").Wait()
         FTRequest(recv, self, recvbuf, "Sendrecv").Wait(status)
 
@@ -352,9 +420,11 @@ def adopt(comm: Any, known_dead: Iterable[int] | None = None, name: str = "") ->
 
 def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
     """Run the blocking MPI call ``fn(*args)`` on a helper thread and wait for it with
-    failure detection: ``comm`` (an :class:`FTComm`, or any object with ``failed`` and
-    ``failure(op)``) says when to give up; then raise its :class:`PeerFailure` and leave the
-    thread inside MPI (see the module docstring)."""
+    failure detection: ``comm`` (an :class:`FTComm`, or any object with ``failed``,
+    ``failure(op)`` and ``watcher``) says when to give up; then raise its
+    :class:`PeerFailure` and leave the thread inside MPI (see the module docstring; an
+    :class:`FTComm` is revoked first where the library can, which ends the call). A
+    failure the call itself reports (ULFM) is :class:`PeerFailure` too."""
     if comm.failed:
         raise comm.failure(op)
     done = threading.Event()
@@ -372,8 +442,13 @@ def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
     while not done.wait(POLL_S):
         if comm.failed:
             ABANDONED.append((thread, args))
+            if isinstance(comm, FTComm):
+                _backend().interrupt(comm)
             raise comm.failure(op)
     ok, value = out[0]
     if not ok:
+        if _backend().failure_error(value):
+            ABANDONED.append((thread, args))
+            raise failure(comm, op, value) from None
         raise value
     return value

@@ -1,5 +1,9 @@
-"""Launching fault-tolerant jobs for the elastic tests (one hydra proxy per rank, or per
-emulated node with ``benchmarks/netsim.py``), and checking what they leave behind."""
+"""Launching fault-tolerant jobs for the elastic tests, on the MPI implementation under
+test (:mod:`commlib.mpi_impl`: each rank a failure domain of its own, and the launcher's
+options under which a dead rank does not end the job: one hydra proxy per rank and
+``-disable-auto-cleanup`` on MPICH, ``--with-ft ulfm`` on Open MPI, ``-disable-auto-cleanup``
+on Intel MPI), or one hydra proxy per emulated node with ``benchmarks/netsim.py`` (MPICH),
+and checking what they leave behind."""
 from __future__ import annotations
 
 import glob
@@ -11,7 +15,9 @@ import sys
 import time
 import uuid
 
-from helpers import clean_env, mpiexec
+import pytest
+
+from helpers import clean_env, mpi_impl, mpiexec
 
 #: The variable that marks every process of a job (:func:`tag_job`).
 JOB_TAG = "ELASTIC_TEST_JOB"
@@ -21,12 +27,49 @@ ROOT = os.path.dirname(HERE)
 
 
 def per_rank_hosts(n: int, keep_running: bool = True) -> list[str]:
-    """``mpiexec`` options giving each of ``n`` ranks a hydra proxy of its own (each its own
-    "node"), so that one rank can die alone, and (``keep_running``:
-    ``-disable-auto-cleanup``) the launcher keeps the others running."""
-    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(n))
-    return ["-launcher", "fork", "-hosts", hosts, "-ppn", "1"] + \
-        (["-disable-auto-cleanup"] if keep_running else [])
+    """``mpiexec`` options for ``n`` ranks under which one rank can die alone (each rank a
+    failure domain of its own: on MPICH a hydra proxy each, on its own "host"
+    ``127.0.0.i``) and (``keep_running``) the launcher keeps the others running
+    (:meth:`commlib.mpi_impl.Implementation.launch_args`); skips the test, naming the
+    implementation's reason, where fault-tolerant mode is refused."""
+    try:
+        return mpi_impl().launch_args(n, fault_tolerant=keep_running, rank_domains=True)[:-2]
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+def fault_tolerance_refusal() -> str | None:
+    """Why fault-tolerant jobs cannot run on the implementation under test (None where they
+    can), for ``skipif``."""
+    impl = mpi_impl()
+    if impl.fault_tolerance is None or impl.keep_running_args is None:
+        return f"fault-tolerant mode is not available on {impl.describe()}: " \
+               f"{impl.fault_tolerance_refusal}"
+    return None
+
+
+@pytest.fixture
+def fault_tolerant_launch() -> None:
+    """Skip the test, naming the implementation's reason, where fault-tolerant jobs cannot
+    run (checked when the test runs: collecting must not start MPI)."""
+    why = fault_tolerance_refusal()
+    if why:
+        pytest.skip(why)
+
+
+def rank_hosts(n: int) -> str:
+    """``ELASTIC_HOSTS`` for a job of ``n`` ranks: each rank's host under
+    :func:`per_rank_hosts` (where a replacement is spawned), "" where they name none."""
+    return ",".join(mpi_impl().rank_domain_hosts(n) or [])
+
+
+def cluster_refusal() -> str | None:
+    """Why the emulated cluster (``benchmarks/netsim.py``, hydra's ``-launcher ssh``) cannot
+    run this implementation's fault-tolerant jobs (None where it can: MPICH)."""
+    impl = mpi_impl()
+    if impl.key != "mpich":
+        return f"netsim's cluster launches with MPICH's hydra and UCX, not {impl.describe()}"
+    return None
 
 
 #: Seconds a job's processes may take to exit after its launcher returned.
@@ -38,12 +81,13 @@ def run_job(n: int, argv: list[str], timeout: float, per_rank: bool = True,
     """Run ``mpiexec [per-rank options] -n n python argv...`` in a session of its own with
     an outer timeout. Returns (status, seconds, output, pids of the session still alive
     afterwards); a job past ``timeout`` is killed (whole session) and reported as -9.
-    ``keep_running=False`` (jobs without failures, e.g. references): without
-    ``-disable-auto-cleanup``, under which hydra now and then ends a job whose ranks all
-    exited 0 with status 255 (it tells the other proxies of each exit and one had gone:
-    "unable to send SIGUSR1 downstream")."""
-    cmd = [mpiexec()] + (per_rank_hosts(n, keep_running) if per_rank else []) + \
-        ["-n", str(n), sys.executable] + argv
+    ``per_rank=False``: the plain launch (one hydra proxy for the host). ``keep_running=
+    False`` (jobs without failures, e.g. references): without the keep-running options
+    (MPICH's ``-disable-auto-cleanup``, under which hydra now and then ends a job whose
+    ranks all exited 0 with status 255: it tells the other proxies of each exit and one had
+    gone, "unable to send SIGUSR1 downstream")."""
+    cmd = [mpiexec()] + (per_rank_hosts(n, keep_running) if per_rank else
+                         mpi_impl().launch_args(n)[:-2]) + ["-n", str(n), sys.executable] + argv
     env.setdefault("PYTHONPATH", ROOT + os.pathsep + HERE)
     full = clean_env(**env)
     tag = tag_job(full)
@@ -148,7 +192,7 @@ def leftover_shm(outdir: str) -> list[str]:
 
 
 def write_shm(outdir: str, rank: int) -> None:
-    """In a job: record the MPICH segments this rank maps (``shm{rank}.json``)."""
+    """In a job: record the shared-memory segments this rank maps (``shm{rank}.json``)."""
     from helpers import mpich_segments
     with open(os.path.join(outdir, f"shm{rank}.json"), "w") as f:
         json.dump(mpich_segments(), f)

@@ -17,7 +17,7 @@ last ranks):
                  survivors build their communicator (after the agreement)
 ``sysexit``      the last rank calls ``sys.exit(0)`` at iteration 20 (an ordinary exit)
 
-Every rank writes ``OUTDIR/shm{r}.json`` (the MPICH segments it maps) after ``init``; each
+Every rank writes ``OUTDIR/shm{r}.json`` (the shared-memory segments it maps) after ``init``; each
 rank that finishes writes ``OUTDIR/rank{r}.json``: its iterations, the groups it went
 through (sizes, agreed values, seconds from the failure's detection to the first correct
 collective after it), and its exception count. Victims write nothing.
@@ -98,7 +98,7 @@ if plan is not None and plan[1] == "creating":
     original_in_thread = fault_tolerance.in_thread
 
     def dying_in_thread(comm, op, fn, *a):
-        if op == "Comm_create_group":
+        if op in ("Comm_create_group", "Comm_create_from_group"):  # (ULFM: ft_backend)
             time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         return original_in_thread(comm, op, fn, *a)
@@ -152,4 +152,4 @@ with open(os.path.join(args.outdir, f"rank{world_rank}.json"), "w") as f:
     from commlib import fault_tolerance as ft_module
     watcher = ft_module.watcher()
     json.dump({"rank": world_rank, "iters": it, "groups": groups, "failures": failures,
-               "polls": watcher.polls, "pmi_reads": watcher.pmi_reads}, f)
+               "polls": watcher.polls, "launcher_reads": watcher.launcher_reads}, f)

@@ -1,14 +1,18 @@
 """Fault-tolerant groups under real failures (issue 21 section 1): ``elastic_ft_program.py``
-jobs of 4 ranks, one hydra proxy per rank (``-disable-auto-cleanup``), each under an outer
-timeout. Every survivor must get :class:`commlib.PeerFailure`, shrink, agree on the
-iteration (at most one apart), and finish with every later collective exact; nothing may
-hang, no process of the job may be left, no MPICH segment may stay in ``/dev/shm``.
+jobs of 4 ranks on the MPI implementation under test, launched so that a rank can die alone
+(:func:`elastic_common.per_rank_hosts`: on MPICH one hydra proxy per rank and
+``-disable-auto-cleanup``, on Open MPI ``--with-ft ulfm``, on Intel MPI
+``-disable-auto-cleanup``), each under an outer timeout. Every survivor must get
+:class:`commlib.PeerFailure`, shrink, agree on the iteration (at most one apart), and finish
+with every later collective exact; nothing may hang, no process of the job may be left, no
+shared-memory segment of the job may stay in ``/dev/shm``.
 
 Cases: SIGKILL of one rank, ``os._exit`` of one, an ordinary ``sys.exit(0)`` of one (which
 must count as dead), two successive kills, a second death inside the survivors' agreement,
 and one while they build their communicator. Negative controls: the same kill with fault
-tolerance off ends the job, under today's launch (one proxy: hydra kills every rank) and
-under the per-rank launch (the survivors wait until the watchdog aborts the job).
+tolerance off ends the job, under today's launch (one proxy: the launcher kills every rank)
+and under the per-rank launch (the survivors wait until the watchdog aborts the job, or
+under ULFM the MPI error aborts it).
 """
 from __future__ import annotations
 
@@ -17,12 +21,14 @@ import os
 import pytest
 
 from elastic_common import HERE, leftover_shm, results, run_job
-from helpers import serial_only
+from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
+from helpers import mpi_impl, serial_only
 
 PROGRAM = os.path.join(HERE, "elastic_ft_program.py")
 N = 4
 OUTER_S = 90
-pytestmark = [serial_only, pytest.mark.timeout(600)]
+pytestmark = [serial_only, pytest.mark.timeout(600),
+              pytest.mark.usefixtures("fault_tolerant_launch")]
 
 # case -> (survivors, sizes of the groups a survivor goes through)
 CASES = {
@@ -45,9 +51,10 @@ def check_job(tmp_path, case: str, status: int, out: str, left: list[int]) -> di
                                        f"{survivors}\n{out[-3000:]}"
     for rank, data in found.items():
         assert data["iters"] == 60, f"{case} rank {rank}: stopped at {data['iters']}"
-        # one machine: the deaths are seen from the process ids, never by asking hydra
-        # (a rank dying mid-request would end the job; commlib.failure_detection)
-        assert data["polls"] > 0 and data["pmi_reads"] == 0, (case, rank, data)
+        # one machine: the deaths are seen from the process ids, never by asking the
+        # launcher (on MPICH a rank dying mid-request would end the job;
+        # commlib.failure_detection)
+        assert data["polls"] > 0 and data["launcher_reads"] == 0, (case, rank, data)
         assert [g["size"] for g in data["groups"]] == sizes, (case, rank, data["groups"])
         for g in data["groups"][1:]:
             assert g["ranks"] == survivors or len(g["ranks"]) > len(survivors), (case, g)
@@ -66,15 +73,31 @@ def test_survivors_go_on(tmp_path, case):
     check_job(tmp_path, case, status, out, left)
 
 
+# How the kill ends a job without fault tolerance, per implementation (measured). The plain
+# launch: the launcher ends every rank (hydra's proxy SIGKILLs them: 9; PRRTE: 137; Intel's
+# hydra: 255). The keep-running launch: commlib's detection off, the survivors wait in their
+# allreduce until the watchdog aborts the job (70), or, under ULFM, the allreduce raises
+# MPI_ERR_PROC_FAILED and the uncaught exception aborts the job (1).
+PLAIN_KILL_STATUS = {"mpich": 9, "openmpi": 137, "intel": 255}
+KEPT_RUNNING = {"pmi": (70, "did not complete within 4 s"),
+                "local": (70, "did not complete within 4 s"),
+                "ulfm": (1, "MPI_ERR_PROC_FAILED")}
+
+
 def test_without_fault_tolerance_the_kill_ends_the_job(tmp_path):
-    """Negative control: fault tolerance off. Today's launch (one proxy for the host):
-    hydra ends every rank (status 9); the per-rank launch: the survivors wait in their
-    allreduce until the watchdog aborts the job (status 70). No survivor finishes."""
+    """Negative control: fault tolerance off. Today's launch (one launcher daemon for the
+    host): the launcher ends every rank; the keep-running launch (one failure domain per
+    rank): the watchdog ends the job (or the MPI error does, under ULFM). No survivor
+    finishes."""
+    impl = mpi_impl()
     status, _, out, left = run_job(N, [PROGRAM, str(tmp_path), "kill", "--no-ft"], OUTER_S,
                                    per_rank=False, COMMLIB_TIMEOUT="60")
-    assert status == 9 and not results(str(tmp_path)) and not left, (status, out[-2000:])
+    assert status == PLAIN_KILL_STATUS.get(impl.key, status) and status not in (0, -9), \
+        (status, out[-2000:])
+    assert not results(str(tmp_path)) and not left, (status, out[-2000:])
+    code, text = KEPT_RUNNING[impl.fault_tolerance]
     status, _, out, left = run_job(N, [PROGRAM, str(tmp_path), "kill", "--no-ft"], OUTER_S,
                                    COMMLIB_TIMEOUT="4")
-    assert status == 70 and not results(str(tmp_path)) and not left, (status, out[-2000:])
-    assert "did not complete within 4 s" in out
+    assert status == code and not results(str(tmp_path)) and not left, (status, out[-2000:])
+    assert text in out, out[-2000:]
     assert not leftover_shm(str(tmp_path))

@@ -19,7 +19,7 @@ LAYERS = [
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
      "mpi_env", "shutdown", "shm", "launch", "ucx_env", "mpi_impl"},
     {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "failure_detection",
-     "agreement"},
+     "agreement", "ft_backend"},
     {"primitives", "timeline", "topology"},
     {"algorithms"},
     {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",

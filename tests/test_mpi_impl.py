@@ -41,8 +41,16 @@ def test_launch_args():
     assert mpich.launch_args(64, oversubscribe=True) == ["-n", "64"]  # hydra needs no flag
     assert mpich.launch_args(3, fault_tolerant=True)[0] == "-disable-auto-cleanup"
     assert ompi.is_segment("sm_segment.vm.0.6fc20000.1") and not mpich.is_segment("sm_x")
-    with pytest.raises(ValueError, match="Intel MPI"):
-        identify(TEXTS["intel"]).launch_args(2, fault_tolerant=True)
+    intel = identify(TEXTS["intel"])  # commlib's own detection, one machine (ft_backend)
+    assert intel.launch_args(2, fault_tolerant=True) == ["-disable-auto-cleanup", "-n", "2"]
+    # one failure domain per rank: a hydra proxy each on MPICH, nothing needed elsewhere
+    assert mpich.launch_args(2, rank_domains=True, oversubscribe=False) == [
+        "-launcher", "fork", "-hosts", "127.0.0.1,127.0.0.2", "-ppn", "1", "-n", "2"]
+    assert mpich.rank_domain_hosts(2) == ["127.0.0.1", "127.0.0.2"]
+    assert ompi.rank_domain_args(3) == intel.rank_domain_args(3) == []
+    assert ompi.rank_domain_hosts(3) is None
+    with pytest.raises(ValueError, match="failure domain"):
+        identify("Some MPI 1.0").rank_domain_args(2)
 
 
 def test_current_is_the_library_mpi4py_loaded():

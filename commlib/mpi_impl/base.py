@@ -35,12 +35,25 @@ class Implementation:
     #: ``mpiexec`` options under which a dead rank does not end the whole job (what
     #: fault-tolerant mode needs), or None when the implementation offers none.
     keep_running_args: tuple[str, ...] | None = None
-    #: How fault-tolerant mode learns of dead ranks: ``"pmi"`` (commlib's detector over
-    #: the launcher's PMI list of dead processes and ``/proc``), ``"ulfm"`` (the MPI
-    #: library's own User-Level Failure Mitigation), or None (refused).
+    #: ``mpiexec`` options that make each of ``n`` ranks on this machine a failure domain
+    #: of its own (one can die without its launcher daemon ending the others), with
+    #: ``{hosts}`` standing for ``127.0.0.1,...,127.0.0.n`` (:meth:`rank_domain_args`);
+    #: ``()`` where the launcher needs none, None where it offers no way.
+    rank_domains: tuple[str, ...] | None = None
+    #: How fault-tolerant mode learns of dead ranks and interrupts the survivors
+    #: (:mod:`commlib.ft_backend`): ``"pmi"`` (commlib's own: peers of this machine by
+    #: process id, the others from the launcher's PMI list of dead processes),
+    #: ``"local"`` (commlib's own, peers of this machine only: the launcher reports no
+    #: death), ``"ulfm"`` (the MPI library's User-Level Failure Mitigation: failure
+    #: notification, revoke), or None (refused).
     fault_tolerance: str | None = None
-    #: Why fault-tolerant mode is refused (when ``fault_tolerance`` is None).
+    #: Why fault-tolerant mode is refused (when ``fault_tolerance`` is None), or why it is
+    #: refused beyond one machine (``"local"``).
     fault_tolerance_refusal: str = ""
+    #: The MPI_T control variable (an MCA parameter) that is true in a job launched with
+    #: :attr:`keep_running_args` ("" where the library does not say): fault-tolerant mode
+    #: checks it at ``init``.
+    keep_running_cvar: str = ""
     #: Whether libmpi's PMI-1 client can be served from a store (torchrun, Kubernetes,
     #: ``srun --mpi=none``: :mod:`commlib.launch`).
     store_world: bool = False
@@ -56,22 +69,43 @@ class Implementation:
     known_bugs: tuple[str, ...] = field(default_factory=tuple)
 
     def launch_args(self, n: int, fault_tolerant: bool = False,
-                    oversubscribe: bool | None = None) -> list[str]:
+                    oversubscribe: bool | None = None,
+                    rank_domains: bool = False) -> list[str]:
         """``mpiexec`` options for ``n`` ranks on this machine (``-n n`` last):
-        oversubscription when ``n`` exceeds the cores (or ``oversubscribe``), and the
-        options fault-tolerant mode needs. Raises ``ValueError`` when fault-tolerant mode
-        is refused on this implementation."""
+        oversubscription when ``n`` exceeds the cores (or ``oversubscribe``), the options
+        fault-tolerant mode needs, and (``rank_domains``) those that make each rank a
+        failure domain of its own (:meth:`rank_domain_args`). Raises ``ValueError`` when
+        fault-tolerant mode is refused on this implementation."""
         args: list[str] = []
         if oversubscribe is None:
             oversubscribe = n > (os.cpu_count() or 1)
         if oversubscribe:
             args += self.oversubscribe_args
+        if rank_domains:
+            args += self.rank_domain_args(n)
         if fault_tolerant:
-            if self.keep_running_args is None:
+            if self.keep_running_args is None or self.fault_tolerance is None:
                 raise ValueError(f"fault-tolerant mode is not available on {self.name}: "
                                  f"{self.fault_tolerance_refusal}")
             args += self.keep_running_args
         return args + ["-n", str(n)]
+
+    def rank_domain_args(self, n: int) -> list[str]:
+        """``mpiexec`` options under which each of ``n`` ranks on this machine can die
+        alone (:attr:`rank_domains`); ``ValueError`` where the launcher offers none."""
+        if self.rank_domains is None:
+            raise ValueError(f"{self.name}'s launcher cannot make each rank a failure "
+                             f"domain of its own")
+        hosts = ",".join(f"127.0.0.{i + 1}" for i in range(n))
+        return [a.replace("{hosts}", hosts) for a in self.rank_domains]
+
+    def rank_domain_hosts(self, n: int) -> list[str] | None:
+        """The host name each of ``n`` ranks has under :meth:`rank_domain_args` (where
+        a spawned replacement must go to be placed like the rank it replaces), or None
+        when they name no hosts."""
+        if not any("{hosts}" in a for a in self.rank_domains or ()):
+            return None
+        return [f"127.0.0.{i + 1}" for i in range(n)]
 
     def launch_env(self) -> dict[str, str]:
         """Variables the launcher needs in its environment (e.g. to run as root)."""

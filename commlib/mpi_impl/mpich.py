@@ -20,6 +20,9 @@ def identify(text: str) -> Implementation | None:
         # hydra's -disable-auto-cleanup: a dead rank's proxy reports it (PMI_dead_processes)
         # instead of ending the job
         keep_running_args=("-disable-auto-cleanup",),
+        # hydra's proxy SIGKILLs every rank of its node when one dies of a signal, with
+        # or without -disable-auto-cleanup: a proxy per rank, each its own "host"
+        rank_domains=("-launcher", "fork", "-hosts", "{hosts}", "-ppn", "1"),
         fault_tolerance="pmi",
         store_world=True,
         slurm_mpi_plugins=("pmi2", "none"),

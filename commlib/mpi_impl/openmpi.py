@@ -23,7 +23,11 @@ def identify(text: str) -> Implementation | None:
         # User-Level Failure Mitigation, built into Open MPI 5 (ftmpi): a dead peer is an
         # error (MPI_ERR_PROC_FAILED) instead of the end of the job
         keep_running_args=("--with-ft", "ulfm"),
+        # under --with-ft ulfm PRRTE's daemon keeps the other ranks of its node running
+        # when one is SIGKILLed (without it the whole job ends)
+        rank_domains=(),
         fault_tolerance="ulfm",
+        keep_running_cvar="mpi_ft_enable",  # what --with-ft ulfm sets
         store_world=False,
         store_world_refusal=(
             "Open MPI's processes join one world only through its own runtime (PMIx: "
@@ -38,5 +42,10 @@ def identify(text: str) -> Implementation | None:
             "operation abandoned on it (a timeout) is unfinished",
             "a nonblocking collective does not match a blocking one (as the MPI standard "
             "allows): commlib's poll mode is the same on every rank",
+            "MPI_Comm_create_group fails (MPI_ERR_PROC_FAILED) on a parent communicator "
+            "holding a dead process, even for a group of live ones: fault-tolerant mode "
+            "builds the survivors' communicator with MPI_Comm_create_from_group",
+            "MPIX_Comm_get_failed takes a pointer handle: commlib reads it through "
+            "mpi4py's Comm.Get_failed, never through the MPICH-ABI ctypes call",
         ),
     )

@@ -3,8 +3,10 @@
 :func:`shrink` is what a survivor calls after :class:`~commlib.errors.PeerFailure`: the
 survivors agree (:mod:`commlib.agreement`) on who is left and on a value each brings (the
 step it committed), then build their communicator with ``MPI_Comm_create_group`` over a
-control communicator (only survivors take part; on a helper thread, abandoned if another
-rank dies meanwhile, and the agreement runs again). :func:`grow` adds spawned ranks.
+control communicator, or ``MPI_Comm_create_from_group`` under ULFM
+(:meth:`commlib.ft_backend.Backend.create`; only survivors take part; on a helper thread,
+abandoned if another rank dies meanwhile, and the agreement runs again). :func:`grow` adds
+spawned ranks.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from mpi4py import MPI
 
 from .. import exits, fault_tolerance, runtime
 from ..agreement import Agreement, Decision
+from ..ft_backend import backend
 from ..communicator import Communicator
 from ..errors import CommError, PeerFailure, where
 from ..options import options
@@ -111,10 +114,13 @@ def shrink(comm: Communicator, value: Any = 0,
             index = {w: i for i, w in enumerate(_ctl_ranks())}
             members = _ctl.Get_group().Incl([index[r] for r in decision.members])
             tag = CREATE_TAG_BASE + len(decision.dead) * 64 + decision.generation % 64
+            # names this decision alike on every survivor (and no other decision)
+            key = (f"{fault_tolerance.watcher().epoch}/{universe}/"
+                   f"{sorted(decision.dead)}/{decision.generation}")
+            b = backend()
             try:
-                mpi = fault_tolerance.in_thread(_Pending(decision, known), "Comm_create_group",
-                                                MPI.Intracomm.Create_group, _ctl, members,
-                                                tag)
+                mpi = fault_tolerance.in_thread(_Pending(decision, known), b.create_op,
+                                                b.create, _ctl, members, tag, key)
             except PeerFailure:
                 continue  # another rank died meanwhile: agree again without it
             finally:
