@@ -266,8 +266,7 @@ class Controller(ExpressLane):
         slots, rows = self._exchange(payload, spin)
         self.rounds += 1
         if rows is not None:
-            if new and not flags and not self.table \
-                    and self._fast(payload, rows, [r for _, r in cached] + fresh):
+            if new and not flags and not self.table and self._fast(payload, rows, cached, fresh):
                 return True
             slots = [rows[r, 4:4 + n].tobytes() for r, n in enumerate(slots.tolist())]
         return self._digest(slots)
@@ -360,18 +359,22 @@ class Controller(ExpressLane):
         if mine is not None:
             self.my_cache[(name, mine)] = cid
 
-    def _fast(self, payload: bytes, rows: Any, reqs: list) -> bool:
+    def _fast(self, payload: bytes, rows: Any, cached: list, fresh: list) -> bool:
         """The common round: every rank announced exactly what this rank announced (the
         same slot but for the inline data) and nothing else is outstanding, so every item
-        is ready, with agreeing metadata, on every rank (the same decision everywhere)."""
+        is ready on every rank (the same decision everywhere). A fresh item's metadata is
+        the same on every rank; a cached one's are its cache entry's, one per rank (an
+        allgather's or alltoall's first dimension or splits may differ between ranks
+        that all announce the same id)."""
         o = 4 + wire.prefix_len(payload)
         head = rows[:, :o]
         if self.size > 1 and not (head == head[self.rank]).all():
             return False
         batch = []
-        for req in reqs:
+        items = [(req, self.cache[cid][1]) for cid, req in cached]
+        items += [(req, [req.meta] * self.size) for req in fresh]
+        for req, metas in items:
             name = req.name
-            metas = [req.meta] * self.size
             with self.mutex:
                 self.pending.pop(name, None)
             self._cache_id(name, metas, req)
