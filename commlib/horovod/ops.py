@@ -340,11 +340,22 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
                            process_set: ProcessSet = global_process_set) -> Any:
-    """Reduce a sparse COO tensor by allgathering its indices and values (Horovod's
-    method). Returns a callable handle: calling it waits and returns the sparse result
-    (values divided by the set size for ``Average``)."""
-    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    n = _controller(process_set, "sparse_allreduce_async").size
+    """Reduce a sparse COO ``tensor`` by allgathering its indices and values, as Horovod
+    does: the indices (``tensor._indices()``, sparse_dim x nnz, int64) as rows under
+    ``name + ".indices"``, the values (nnz x dense dims) under ``name + ".values"``, in
+    rank order, neither coalesced first. Returns a callable handle: calling it waits and
+    returns a new, uncoalesced sparse tensor of ``tensor``'s size and dtype holding every
+    rank's entries (values divided by the set size for ``Average``; other ops add them,
+    like ``Sum``). ``tensor`` is not modified and must stay unchanged until the handle was
+    called."""
+    ctrl = _controller(process_set, "sparse_allreduce_async")
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        what = (f"a {tensor.layout} tensor" if isinstance(tensor, torch.Tensor)
+                else type(tensor).__name__)
+        raise TypeError(f"commlib.horovod.sparse_allreduce_async (rank "
+                        f"{state.require('sparse_allreduce_async').rank}): argument 'tensor' "
+                        f"must be a sparse COO torch.Tensor, got {what}")
+    t, n = tensor, ctrl.size
     indices = allgather_async(t._indices().transpose(0, 1).contiguous(),
                               name=f"{name}.indices", process_set=process_set)
     values = allgather_async(t._values().contiguous(), name=f"{name}.values",
@@ -356,7 +367,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
         v = v / n if op == Average else v
         if i.dim() == 0 or v.dim() == 0:
             return t.new().resize_as_(t)
-        return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size())
+        return t.new(i.transpose(0, 1), v, t.size())   # Horovod's construction
 
     return handle
 

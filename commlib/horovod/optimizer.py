@@ -23,14 +23,18 @@ follow as ``**algorithm_kwargs``); algorithms that need the DDP wrapper's lifecy
 (:mod:`commlib.horovod.optimizer_adasum`).
 
 Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
-exchanged as Horovod exchanges them unless ``sparse_as_dense=True``: once the parameter's
-``backward_passes_per_step`` countdown reaches zero, its (accumulated) sparse gradient goes
-through :func:`commlib.horovod.sparse_allreduce_async` under the parameter's name (an
-allgather of the indices and of the values, negotiated by name; ``Average`` divides the
-values by the set size, ``gradient_predivide_factor`` as for dense gradients), and
-``synchronize()`` sets ``.grad`` to the gathered, uncoalesced sparse tensor. The
-parameter keeps its (zero) slot in its dense bucket. ``sparse_as_dense=True`` densifies
-the gradient in the hook and exchanges it in the buckets.
+exchanged as Horovod exchanges them, and the wrapped optimizer receives a sparse gradient
+either way (``torch.optim.SparseAdam`` accepts nothing else). Once the parameter's
+``backward_passes_per_step`` countdown reaches zero, its (accumulated, uncoalesced) sparse
+gradient goes through :func:`commlib.horovod.sparse_allreduce_async` under the parameter's
+name (an allgather of the indices and of the values, negotiated by name; ``Average``
+divides the values by the set size; ``gradient_predivide_factor`` does not apply, as in
+Horovod), and ``synchronize()`` puts the gathered, uncoalesced entries of every rank, in
+rank order, into the parameter's sparse ``.grad`` in place (``grad.zero_().add_(...)``);
+the parameter keeps its (zero) slot in its dense bucket. With ``sparse_as_dense=True`` the
+gradient is densified (``to_dense()``) at the end of the countdown and reduced in its
+bucket like any dense gradient; ``synchronize()`` then hands back ``result.to_sparse()``
+(coalesced, one entry per nonzero element) in the sparse ``.grad``, again as Horovod does.
 """
 from __future__ import annotations
 
@@ -118,7 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_hooks: list = []
         self._hvd_engine = None
         self._hvd_algorithm = algorithm
-        self._hvd_sparse: dict = {}   # parameter -> sparse_allreduce_async's handle
+        self._hvd_sparse: dict = {}   # parameter -> (sparse_allreduce_async's handle, grad)
+        self._hvd_densified: dict = {}   # parameter -> its sparse grad (sparse_as_dense)
         st = state.require("DistributedOptimizer")
         if process_set.included() and (st.size > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._hvd_setup(st)
@@ -141,7 +146,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             except Exception:  # noqa: BLE001 - its exchanges failed
                 pass
         self._hvd_hooks, self._hvd_buckets, self._hvd_slots = [], [], {}
-        self._hvd_sparse, self._hvd_futures = {}, []
+        self._hvd_sparse, self._hvd_densified, self._hvd_futures = {}, {}, []
         self._hvd_ready, self._hvd_next = set(), 0
         for g in self.param_groups:
             for p in g["params"]:
@@ -218,15 +223,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate "
                     "gradients locally.")
-            sparse = p.grad is not None and p.grad.is_sparse
-            if sparse and self.sparse_as_dense:
-                p.grad = p.grad.to_dense()
-                sparse = False
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] == 0:
-                if sparse:
+                grad = p.grad
+                if grad is not None and grad.is_sparse and not self.sparse_as_dense:
                     self._hvd_sparse_launch(p)
                 else:
+                    if grad is not None and grad.is_sparse:   # sparse_as_dense
+                        self._hvd_densified[p] = grad
+                        p.grad = grad.to_dense()
                     self._hvd_mark_ready(p)
                 self._hvd_launch()
         return hook
@@ -245,12 +250,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_ready.add(p)
         bucket.pending -= 1
         grad = p.grad
-        f = self.gradient_predivide_factor
-        if self.op == Average and f != 1.0:
-            grad = torch.sparse_coo_tensor(grad._indices(), grad._values() / f, grad.shape)
         name = "sparse." + str(self._parameter_names.get(p))
         self._hvd_sparse[p] = (sparse_allreduce_async(grad, name=name, op=self.op,
-                                                      process_set=self.process_set), f)
+                                                      process_set=self.process_set), grad)
 
     def _hvd_launch(self) -> None:
         buckets = self._hvd_buckets
@@ -296,20 +298,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvd_launch()
             futures, self._hvd_futures = self._hvd_futures, []
             sparse, self._hvd_sparse = self._hvd_sparse, {}
+            densified, self._hvd_densified = self._hvd_densified, {}
             try:
                 for f in futures:
                     f.result()
-                for p, (handle, f) in sparse.items():
-                    g = handle()
-                    if f != 1.0:
-                        g = torch.sparse_coo_tensor(g._indices(), g._values() * f, g.shape)
-                    p.grad = g
+                # Horovod: the sparse gradient receives the result in place.
+                for p, (handle, grad) in sparse.items():
+                    p.grad = grad.zero_().add_(handle())
+                for p, grad in densified.items():
+                    p.grad = grad.zero_().add_(p.grad.to_sparse())
             finally:
                 for p in self._allreduce_delay:
                     self._allreduce_delay[p] = self.backward_passes_per_step
                 self._hvd_reset()
-            if self.sparse_as_dense:
-                pass  # dense gradients stay dense (torch's optimizers accept them)
         self._synchronized = True
 
     @contextmanager
