@@ -3,10 +3,14 @@ fault-tolerant mode on steps without failures.
 
     python benchmarks/bench_faults.py --json results/faults.json
 
-**Recovery.** ``tests/elastic_train_program.py`` jobs, one hydra proxy per rank
-(``-disable-auto-cleanup``), a float64 MLP of about 2 MB or 64 MB trained through
-``commlib.elastic`` with ``gradient_allreduce`` (25 MB buckets); rank ``n-1`` SIGKILLs
-itself in the middle of the backward of step ``--at``. Measured per run: seconds from
+Runs on the MPI library of the Python that runs it (MPICH, Open MPI with ULFM, Intel MPI:
+``tests/elastic_common.py`` launches as :mod:`commlib.mpi_impl` says; the report names it).
+
+**Recovery.** ``tests/elastic_train_program.py`` jobs, each rank a failure domain of its own
+and the launcher keeping the others running (MPICH: one hydra proxy per rank,
+``-disable-auto-cleanup``; Open MPI: ``--with-ft ulfm``), a float64 MLP of about 2 MB or
+64 MB trained through ``commlib.elastic`` with ``gradient_allreduce`` (25 MB buckets); rank
+``n-1`` SIGKILLs itself in the middle of the backward of step ``--at``. Measured per run: seconds from
 the kill (the victim's clock, the same host) to the next step completed by every
 survivor (max over survivors), the survivors' own recovery (PeerFailure caught to state
 restored), committed steps lost (steps missing from, or doubled in, the ledger the state
@@ -52,8 +56,8 @@ WIDTHS = {"2MB": 500, "64MB": 2890}  # float64 MLP 16-w-w-4: about w*w parameter
 
 def recovery_run(n: int, model: str, steps: int, at: int, timeout: float,
                  replace: bool = False) -> dict:
-    from elastic_common import results, run_job
-    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(n))
+    from elastic_common import rank_hosts, results, run_job
+    hosts = rank_hosts(n)  # where a replacement goes ("": the launcher's choice)
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as out:
         status, seconds, text, left = run_job(
             n, [PROGRAM, out, "--steps", str(steps), "--fault", "kill", "--victims",
@@ -229,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead_worker:
         overhead_worker(args)
         return 0
-    report: dict = {"recovery": [], "overhead": [], "exactness": []}
+    from helpers import mpi_impl
+    report: dict = {"mpi": mpi_impl().describe(), "recovery": [], "overhead": [],
+                    "exactness": []}
+    print(f"MPI: {report['mpi']}")
     if args.exactness:
         print("| fault (4 ranks) | runs | survivors finished | exact as the reference |")
         print("|---|---|---|---|")

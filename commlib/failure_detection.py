@@ -306,7 +306,7 @@ def watcher() -> Watcher:
                 world = launch.current()
                 # the MPI library refuses, or cannot watch this job: CommError, every rank
                 ft_backend.backend().check(_local is not None and _local.covers_world(),
-                                           world is not None)
+                                           world is not None, MPI.COMM_WORLD.Get_size())
                 if world is not None:
                     SOURCES.append(StoreDetector(world))
                 _watcher = Watcher()
@@ -314,13 +314,16 @@ def watcher() -> Watcher:
 
 
 def dead_in_world() -> frozenset[int]:
-    """Ranks of this process's ``MPI_COMM_WORLD`` known dead (whatever the base world)."""
-    return frozenset(watcher().raw_dead)
+    """Ranks of this process's ``MPI_COMM_WORLD`` known dead (whatever the base world; none
+    before the watcher started, e.g. on the exit path of a refused ``init``)."""
+    w = _watcher
+    return frozenset() if w is None else frozenset(w.raw_dead)
 
 
 def dead() -> frozenset[int]:
-    """World ranks known dead so far (monotone)."""
-    return watcher().dead
+    """World ranks known dead so far (monotone; none before the watcher started)."""
+    w = _watcher
+    return frozenset() if w is None else w.dead
 
 
 def available() -> bool:

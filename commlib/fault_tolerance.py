@@ -85,7 +85,11 @@ ABANDONED: list[Any] = []
 DETECT_S = 5.0
 #: Seconds a wait given up on waits for its waiter thread to come back once the
 #: communicator is revoked (ULFM); a waiter that does not is left in ``MPI_Wait``.
-INTERRUPT_S = 2.0
+INTERRUPT_S = 5.0
+#: What happened to this process's waits on failures: ``errors`` (operations that ended
+#: with a failure error, ULFM), ``interrupted`` (waits given up on whose waiter came back
+#: after the communicator was revoked), ``left_in_mpi`` (waiters left in ``MPI_Wait``).
+COUNTS = {"errors": 0, "interrupted": 0, "left_in_mpi": 0}
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -173,7 +177,10 @@ class FTRequest:
         if not box.done:  # a peer died: interrupt the wait where the library can (ULFM)
             if _backend().interrupt(comm):
                 box.back.wait(INTERRUPT_S)
-            if not box.back.is_set():
+            if box.back.is_set():
+                COUNTS["interrupted"] += 1
+            else:
+                COUNTS["left_in_mpi"] += 1
                 _local.waiter = None  # that one stays in MPI_Wait
                 ABANDONED.append(waiter)
         if box.done and box.error is None:
@@ -213,6 +220,7 @@ def failure(comm: Any, op: str, error: BaseException | None = None) -> PeerFailu
     operations on it end too, and the detector gets up to :data:`DETECT_S` seconds to name
     the dead."""
     if error is not None:
+        COUNTS["errors"] += 1
         if isinstance(comm, FTComm):
             _backend().interrupt(comm)
         w = comm.watcher

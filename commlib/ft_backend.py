@@ -108,10 +108,11 @@ class Backend:
         watcher when some peer is not on this machine; None when there is none."""
         return None
 
-    def check(self, covered: bool, store: bool) -> None:
+    def check(self, covered: bool, store: bool, size: int) -> None:
         """At ``init`` (fault-tolerant mode, every rank): raise :class:`CommError` when
         this job cannot survive a dead rank. ``covered``: every other rank is watched by
-        process id (one machine); ``store``: a store-backed world (heartbeats)."""
+        process id (one machine); ``store``: a store-backed world (heartbeats); ``size``:
+        ranks in ``MPI_COMM_WORLD``."""
 
     def failure_error(self, exc: BaseException) -> bool:
         """Whether the MPI error ``exc`` reports a dead peer or a revoked communicator
@@ -144,8 +145,8 @@ class Pmi(Backend):
 class Local(Backend):
     key = "local"
 
-    def check(self, covered: bool, store: bool) -> None:
-        if not (covered or store or MPI.COMM_WORLD.Get_size() == 1):
+    def check(self, covered: bool, store: bool, size: int) -> None:
+        if not (covered or store or size == 1):
             raise CommError(
                 f"commlib.init (rank {MPI.COMM_WORLD.Get_rank()}): fault-tolerant mode on "
                 f"{self.impl.describe()} needs every rank on one machine: "
@@ -160,8 +161,8 @@ class Ulfm(Backend):
     def detector(self) -> Callable[[], Iterable[int]] | None:
         return UlfmFailed()
 
-    def check(self, covered: bool, store: bool) -> None:
-        if MPI.COMM_WORLD.Get_size() == 1 or not self.impl.keep_running_cvar:
+    def check(self, covered: bool, store: bool, size: int) -> None:
+        if size == 1 or not self.impl.keep_running_cvar:
             return
         if cvar_true(self.impl.keep_running_cvar) is False:
             raise CommError(
@@ -199,7 +200,7 @@ class Ulfm(Backend):
 class Refused(Backend):
     key = ""
 
-    def check(self, covered: bool, store: bool) -> None:
+    def check(self, covered: bool, store: bool, size: int) -> None:
         why = self.impl.fault_tolerance_refusal or (
             "commlib knows no way to survive a dead rank on it; run fault-tolerant jobs on "
             "the mpich wheel (pip install mpich) or Open MPI 5 (mpirun --with-ft ulfm)")

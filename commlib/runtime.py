@@ -85,8 +85,7 @@ def _warn_if_intra_rndv() -> None:
     """Fault-tolerant mode turned on after MPI started with UCX's rendezvous between ranks
     of one machine (see :mod:`commlib.ucx_env`): say what a death can then do, and how to
     avoid it."""
-    netmod = os.environ.get("MPIR_CVAR_CH4_NETMOD", "ucx").strip().lower()
-    if MPI.COMM_WORLD.Get_size() > 1 and netmod == "ucx" and not ucx_env.intra_node_rndv_off():
+    if MPI.COMM_WORLD.Get_size() > 1 and ucx_env.in_use() and not ucx_env.intra_node_rndv_off():
         warnings.warn(
             "commlib: fault-tolerant mode with UCX's rendezvous between ranks of one machine "
             "(cma or tcp): a rank that dies while exchanging a large message with a rank of "

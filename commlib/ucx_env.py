@@ -44,6 +44,16 @@ def prepare_fault_tolerant(environ: MutableMapping[str, str] | None = None) -> b
     return True
 
 
+def in_use(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether the MPI library in use carries its messages over UCX (the MPICH wheel, unless
+    ``MPIR_CVAR_CH4_NETMOD`` picks another netmod; not Open MPI's or Intel MPI's wheel:
+    :attr:`commlib.mpi_impl.Implementation.uses_ucx`), so that these settings matter."""
+    from .mpi_impl import current
+    env = os.environ if environ is None else environ
+    netmod = env.get("MPIR_CVAR_CH4_NETMOD", "ucx").strip().lower()
+    return current().uses_ucx and netmod == "ucx"
+
+
 def intra_node_rndv_off(environ: MutableMapping[str, str] | None = None) -> bool:
     """Whether ``UCX_RNDV_THRESH`` (UCX's syntax: a comma-separated list of a value and
     ``intra:``/``inter:`` pairs, the plain value being the default) turns rendezvous

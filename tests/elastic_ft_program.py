@@ -152,4 +152,5 @@ with open(os.path.join(args.outdir, f"rank{world_rank}.json"), "w") as f:
     from commlib import fault_tolerance as ft_module
     watcher = ft_module.watcher()
     json.dump({"rank": world_rank, "iters": it, "groups": groups, "failures": failures,
-               "polls": watcher.polls, "launcher_reads": watcher.launcher_reads}, f)
+               "polls": watcher.polls, "launcher_reads": watcher.launcher_reads,
+               "waits": dict(ft_module.COUNTS)}, f)

@@ -9,9 +9,12 @@ others go on over a group of the remaining ranks (float64 and the same MPI layou
 check is exact: a difference of one step in where the shrink happens changes hundreds of
 parameters, see ``test_the_check_tells_one_step_apart``). The state's ledger (which group
 size applied each step, carried with the state) must list every step exactly once; nothing
-may hang, no process may be left, no MPICH segment may stay in ``/dev/shm``.
+may hang, no process may be left, no shared-memory segment may stay in ``/dev/shm``.
 
-Faults (one hydra proxy per rank, ``-disable-auto-cleanup``, 4 ranks): ``os._exit`` of one
+Faults (4 ranks on the MPI implementation under test, each rank a failure domain of its own
+and the launcher keeping the others running: one hydra proxy per rank and
+``-disable-auto-cleanup`` on MPICH, ``--with-ft ulfm`` on Open MPI, see
+``elastic_common.per_rank_hosts``): ``os._exit`` of one
 rank mid-backward (with ``scale_lr``); two successive SIGKILLs; ``lag``: the survivors are
 made one step apart (one applies the step, one does not), so that the rank behind must
 receive the state from one ahead; SIGKILL mid-backward under ``decentralized`` (replicas
@@ -36,8 +39,9 @@ import sys
 import numpy as np
 import pytest
 
-from elastic_common import (HERE, ROOT, leftover_shm, params, reference, reference_args,
-                            results, run_cluster_job, run_job)
+from elastic_common import (HERE, ROOT, cluster_refusal, leftover_shm, params, rank_hosts,
+                            reference, reference_args, results, run_cluster_job, run_job)
+from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
 from helpers import serial_only
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -47,7 +51,8 @@ PROGRAM = os.path.join(HERE, "elastic_train_program.py")
 N = 4
 STEPS = 30
 OUTER_S = 150
-pytestmark = [serial_only, pytest.mark.timeout(900)]
+pytestmark = [serial_only, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("fault_tolerant_launch")]
 def check(tmp_path, tmp_path_factory, survivors: list[int], recoveries: int, status: int,
           out: str, left: list[int], algorithm: str = "gradient_allreduce",
           scale_lr: bool = False, cluster=None) -> dict[int, dict]:
@@ -162,7 +167,15 @@ def test_fewer_survivors_than_min_ranks_end_the_job(tmp_path):
 OK, WHY = netsim.can_build_cluster()
 
 
+@pytest.fixture
+def on_the_cluster() -> None:
+    why = cluster_refusal()
+    if why:
+        pytest.skip(why)
+
+
 @pytest.mark.skipif(not OK, reason=WHY)
+@pytest.mark.usefixtures("on_the_cluster")
 @pytest.mark.parametrize("layout", [(2, 2), (4, 1)])
 def test_two_tier_cluster(tmp_path, tmp_path_factory, layout):
     """SIGKILL of rank 3: on 2 x 2 hydra ends its node (rank 2 too), on 4 x 1 it dies
@@ -187,10 +200,9 @@ def test_a_replacement_joins(tmp_path, tmp_path_factory):
     """Section 4: after the kill the survivors spawn a replacement (``MPI_Comm_spawn`` on
     the dead rank's host), send it the state by broadcast, and the four go on: exactly the
     run in which nobody died."""
-    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(N))
     status, _, out, left = run_job(N, [PROGRAM, str(tmp_path), "--steps", str(STEPS),
                                        "--fault", "kill", "--replace"], OUTER_S,
-                                   COMMLIB_TIMEOUT="60", ELASTIC_HOSTS=hosts)
+                                   COMMLIB_TIMEOUT="60", ELASTIC_HOSTS=rank_hosts(N))
     assert status != -9 and not left, (status, out[-3000:])
     assert not leftover_shm(str(tmp_path))
     found = results(str(tmp_path))

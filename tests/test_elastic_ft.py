@@ -55,6 +55,11 @@ def check_job(tmp_path, case: str, status: int, out: str, left: list[int]) -> di
         # launcher (on MPICH a rank dying mid-request would end the job;
         # commlib.failure_detection)
         assert data["polls"] > 0 and data["launcher_reads"] == 0, (case, rank, data)
+        if mpi_impl().fault_tolerance == "ulfm":
+            # the library reported the failure (an operation ended with an error), and
+            # revoking the communicator brought every waiter given up on back from MPI
+            waits = data["waits"]
+            assert waits["errors"] > 0 and waits["left_in_mpi"] == 0, (case, rank, waits)
         assert [g["size"] for g in data["groups"]] == sizes, (case, rank, data["groups"])
         for g in data["groups"][1:]:
             assert g["ranks"] == survivors or len(g["ranks"]) > len(survivors), (case, g)
@@ -101,3 +106,23 @@ def test_without_fault_tolerance_the_kill_ends_the_job(tmp_path):
     assert status == code and not results(str(tmp_path)) and not left, (status, out[-2000:])
     assert text in out, out[-2000:]
     assert not leftover_shm(str(tmp_path))
+
+
+def test_a_launch_that_cannot_survive_a_death_is_refused_at_init(tmp_path):
+    """Open MPI launched without ``--with-ft ulfm`` (its MPI_T variable ``mpi_ft_enable``
+    off: a dead rank would end the whole job): fault-tolerant mode raises CommError at
+    ``init`` on every rank, naming the launch option; the job ends with status 1, nothing
+    hangs or is left. MPICH's and Intel MPI's hydra tell their ranks nothing of
+    ``-disable-auto-cleanup``: skipped there."""
+    import re
+    impl = mpi_impl()
+    if not impl.keep_running_cvar:
+        pytest.skip(f"{impl.describe()}'s launcher does not tell its ranks whether a dead "
+                    f"rank ends the job")
+    status, _, out, left = run_job(3, [PROGRAM, str(tmp_path), "kill"], OUTER_S,
+                                   per_rank=False, COMMLIB_TIMEOUT="60")
+    assert status == 1 and not left and not results(str(tmp_path)), (status, out[-2000:])
+    option = " ".join(impl.keep_running_args)
+    refused = re.findall(rf"CommError: commlib.init \(rank (\d)\): fault-tolerant mode on "
+                         rf"{re.escape(impl.describe())} .*`mpirun {option} -n N", out)
+    assert sorted(refused) == ["0", "1", "2"], out[-3000:]

@@ -17,14 +17,17 @@ import pytest
 
 from elastic_common import (HERE, TRAIN_PROGRAM, leftover_shm, params, reference,
                             reference_args, results, run_store_job)
-from helpers import serial_only
+from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
+from helpers import requires_store_world, serial_only
 
-pytestmark = [serial_only, pytest.mark.timeout(600)]
+pytestmark = [serial_only, pytest.mark.timeout(600),
+              pytest.mark.usefixtures("fault_tolerant_launch")]
 N = 4
 OUTER_S = 150
 FT_PROGRAM = os.path.join(HERE, "elastic_ft_program.py")
 
 
+@requires_store_world
 def test_training_goes_on_exactly(tmp_path, tmp_path_factory):
     """SIGKILL of rank 3 mid-training: the survivors go on; their parameters equal bit for
     bit the reference that shrinks at the agreed step. The reference is the per-rank
@@ -47,6 +50,7 @@ def test_training_goes_on_exactly(tmp_path, tmp_path_factory):
     assert not leftover_shm(str(tmp_path))
 
 
+@requires_store_world
 def test_the_store_host_dying_ends_every_rank(tmp_path):
     """Not survived: rank 0 hosts the store; its death ends the others (status 1). The
     survivors shrink and go on iterating (without end: the launch monitor notices the lost

@@ -1,7 +1,8 @@
 """hvd.elastic on commlib's fault-tolerant mode: a Horovod-style elastic script
 (tests/horovod_examples/elastic_train.py: TorchState, ElasticSampler, hvd.elastic.run, a
 commit every 2 steps) at 3 ranks, one rank SIGKILLed right after its optimizer step of an
-uncommitted step (one hydra proxy per rank, -disable-auto-cleanup).
+uncommitted step (launched so that a rank can die alone: elastic_common.per_rank_hosts,
+one hydra proxy per rank and -disable-auto-cleanup on MPICH, --with-ft ulfm on Open MPI).
 
 The survivors must finish; the state they go on from is the last commit (the ledger, a
 state value, holds the committed steps only: the uncommitted 3-rank step is redone at 2
@@ -22,6 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from elastic_common import HERE, run_job  # noqa: E402
+from elastic_common import fault_tolerant_launch  # noqa: E402,F401 - skips where refused
 from helpers import serial_only  # noqa: E402
 
 PROGRAM = os.path.join(HERE, "horovod_examples", "elastic_train.py")
@@ -71,6 +73,7 @@ def problems(r: dict) -> str:
     return ""
 
 
+@pytest.mark.usefixtures("fault_tolerant_launch")
 def test_elastic_run_survives_a_kill(tmp_path):
     found = job(tmp_path)
     for rank, r in found.items():

