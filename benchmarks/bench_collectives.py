@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-size", type=C.parse_size, default=8, help="smallest size (8 B)")
     p.add_argument("--max-size", type=C.parse_size, default=64 << 20,
                    help="largest size (64 MiB)")
+    p.add_argument("--sizes", type=C.parse_size, nargs="+", default=None,
+                   help="these sizes only (instead of --min-size..--max-size)")
     p.add_argument("--factor", type=int, default=2, choices=(2, 4),
                    help="size step (x2 or x4; default 2)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="element type")
@@ -361,7 +363,7 @@ def plot(path: Path, results: dict[str, list[dict]], n: int, label: str) -> Path
 def run(args: argparse.Namespace, ctx: Ctx) -> dict[str, list[dict]]:
     from tqdm import tqdm
     ops = [op for op in args.ops if op != "pingpong" or ctx.n >= 2]
-    sizes = C.size_range(args.min_size, args.max_size, args.factor)
+    sizes = args.sizes or C.size_range(args.min_size, args.max_size, args.factor)
     results: dict[str, list[dict]] = {op: [] for op in ops}
     bar = tqdm(total=len(ops) * len(sizes), disable=ctx.rank != 0, file=sys.stderr,
                unit="case", dynamic_ncols=True,
@@ -388,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     label = f"{ctx.n} ranks, {args.dtype}{', torch' if args.torch else ''}"
     for op, recs in results.items():
         print(op_table(op, recs), end="\n\n")
-    summary = [summarize_op(op, recs, args.min_size <= 8) for op, recs in results.items()]
+    smallest = min(args.sizes) if args.sizes else args.min_size
+    summary = [summarize_op(op, recs, smallest <= 8) for op, recs in results.items()]
     print(summary_table(summary))
     stem = f"collectives_n{ctx.n}_{args.dtype}{'_torch' if args.torch else ''}"
     json_path = args.json or C.default_path(stem, ".json")

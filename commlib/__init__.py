@@ -9,6 +9,8 @@ arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Wor
 # Fault-tolerant mode asked for in the environment: no UCX rendezvous inside a machine
 # (commlib.ucx_env).
 from .options import options as _options  # noqa: E402
+from . import mpi_impl as _mpi_impl  # noqa: E402
+_mpi_impl.prepare_environment()  # e.g. Open MPI's op=^avx (commlib.mpi_impl.openmpi)
 from . import ucx_env as _ucx_env  # noqa: E402
 if _options.fault_tolerant:
     _ucx_env.prepare_fault_tolerant()

@@ -130,3 +130,45 @@ def test_torchrun_forms_the_world_or_is_refused_on_every_rank(tmp_path):
 def _world_size() -> int:
     from mpi4py import MPI
     return MPI.COMM_WORLD.Get_size()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16"])
+def test_small_integer_sums_wrap_on_overflow(dtype):
+    """commlib.allreduce SUM of 8- and 16-bit integers wraps as C (and numpy, NCCL) do, at
+    every count: Open MPI's AVX kernels saturate instead (open-mpi/ompi#8045: 3 ranks,
+    >= 31 elements), so commlib starts Open MPI without them (mpi_impl.openmpi.INIT_ENV)."""
+    import numpy as np
+
+    import commlib
+    commlib.init()
+    r, n = commlib.get_rank(), commlib.get_world_size()
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(7)
+    for count in (7, 31, 64, 280, 4099):
+        values = rng.integers(info.min, info.max, size=(n, count), endpoint=True).astype(dtype)
+        got = values[r].copy()
+        commlib.allreduce(got)
+        expected = values.sum(axis=0, dtype=dtype)
+        assert np.array_equal(got, expected), \
+            f"rank {r}: {dtype}[{count}]: {int((got != expected).sum())} sums differ"
+    if n > 1:  # the check can fail: the saturated sums are not the wrapped ones
+        wide = values.astype(np.int64).sum(axis=0)
+        assert np.any((wide > info.max) | (wide < info.min))
+
+
+def test_open_mpi_launch_environment_is_prepared_before_init(monkeypatch):
+    import sys
+    import warnings
+
+    from commlib.mpi_impl import openmpi
+    with warnings.catch_warnings(record=True) as seen:  # MPI initialized already: too late
+        warnings.simplefilter("always")
+        assert openmpi.prepare_environment({"OMPI_COMM_WORLD_SIZE": "2"}) == []
+    assert any("OMPI_MCA_op=^avx" in str(w.message) for w in seen), seen
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI")  # as before `import commlib` starts MPI
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+    assert openmpi.prepare_environment(env) == ["OMPI_MCA_op"] and env["OMPI_MCA_op"] == "^avx"
+    mine = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_op": "^tuned"}
+    assert openmpi.prepare_environment(mine) == [] and mine["OMPI_MCA_op"] == "^tuned"
+    assert openmpi.prepare_environment({"PMI_RANK": "0"}) == []  # not Open MPI's launcher

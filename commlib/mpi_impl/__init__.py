@@ -20,7 +20,8 @@ from typing import Any
 from . import intel, mpich, openmpi
 from .base import Implementation
 
-__all__ = ["Implementation", "current", "identify", "library_version"]
+__all__ = ["Implementation", "current", "identify", "library_version",
+           "prepare_environment"]
 
 #: Tried in order: Intel MPI's text mentions MPICH too.
 _IDENTIFIERS = (intel.identify, openmpi.identify, mpich.identify)
@@ -36,6 +37,15 @@ def identify(text: str) -> Implementation:
         if found is not None:
             return found
     return Implementation(name=(text.strip().splitlines() or ["unknown MPI"])[0][:60])
+
+
+def prepare_environment(env: Any = None) -> list[str]:
+    """Before MPI is initialized (``import commlib`` does it first): the settings an
+    implementation needs from the environment of a process its launcher started (Open
+    MPI: :data:`.openmpi.INIT_ENV`), never overriding the user's. Returns the names set."""
+    import os
+    env = os.environ if env is None else env
+    return openmpi.prepare_environment(env)
 
 
 def library_version(MPI: Any = None) -> str:

@@ -5,6 +5,42 @@ import re
 
 from .base import Implementation, first_version
 
+#: Variables Open MPI's launcher (PRRTE's ``mpirun``/``mpiexec``) sets in every process.
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+#: MCA parameters commlib sets (unless already set) in a process that Open MPI's launcher
+#: started, before MPI is initialized: ``op=^avx`` turns off the AVX reduction kernels,
+#: whose ``MPI_SUM`` of 8- and 16-bit integers saturates instead of wrapping when it
+#: overflows (open-mpi/ompi#8045, closed "wontfix": MPI leaves integer overflow undefined;
+#: 5.0.11, 3 ranks, 31 or more elements: 4 of 31 int8 sums wrong), which breaks the
+#: wrapped sums that integer ``ReduceOp.AVG`` (NCCL's semantics) and commlib's quantized
+#: exchanges rely on. The plain C loops that replace them are what MPICH runs.
+INIT_ENV = (("OMPI_MCA_op", "^avx"),)
+
+
+def prepare_environment(env: dict) -> list[str]:
+    """Set :data:`INIT_ENV` in ``env`` when :data:`LAUNCHER_VARIABLES` say Open MPI's
+    launcher started this process (before MPI initializes); returns the names set."""
+    if not any(v in env for v in LAUNCHER_VARIABLES):
+        return []
+    import sys
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        missing = [f"{k}={v}" for k, v in INIT_ENV if k not in env]
+        if missing:
+            import warnings
+            warnings.warn(f"commlib: mpi4py.MPI was initialized before commlib was imported, "
+                          f"so Open MPI started without {' '.join(missing)}: its MPI_SUM of "
+                          f"8- and 16-bit integers saturates on overflow (integer "
+                          f"ReduceOp.AVG, quantized exchanges); import commlib first or set "
+                          f"{' '.join(missing)} in the launch environment", stacklevel=3)
+        return []
+    done = []
+    for name, value in INIT_ENV:
+        if name not in env:
+            env[name] = value
+            done.append(name)
+    return done
+
 
 def identify(text: str) -> Implementation | None:
     """Open MPI from ``MPI_Get_library_version``'s text (``Open MPI v5.0.11, package: ...``)."""
@@ -37,6 +73,8 @@ def identify(text: str) -> Implementation | None:
         slurm_mpi_plugins=("pmix",),
         uses_ucx=False,
         known_bugs=(
+            "MPI_SUM of 8- and 16-bit integers saturates (op/avx, open-mpi/ompi#8045): "
+            "commlib starts Open MPI with OMPI_MCA_op=^avx",
             "freeing a communicator under a pending nonblocking collective crashes the "
             "next MPI call (SIGSEGV): commlib never frees a communicator while an "
             "operation abandoned on it (a timeout) is unfinished",
