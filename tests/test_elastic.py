@@ -42,7 +42,7 @@ import pytest
 from elastic_common import (HERE, ROOT, cluster_refusal, leftover_shm, params, rank_hosts,
                             reference, reference_args, results, run_cluster_job, run_job)
 from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
-from helpers import serial_only
+from helpers import mpi_impl, serial_only
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import netsim  # noqa: E402
@@ -112,11 +112,16 @@ def test_two_successive_failures(tmp_path, tmp_path_factory):
 
 def test_survivors_one_step_apart(tmp_path, tmp_path_factory):
     """Rank 1 misses step 13 that ranks 0 and 2 applied: the agreement takes step 13 (the
-    most advanced commit) and rank 1 receives the state from rank 0."""
+    most advanced commit) and rank 1 receives the state from rank 0. (Whether a survivor's
+    exchange of step 13 completed when the victim died after its own depends on the
+    library's allreduce: Intel MPI's left rank 0 at step 12 too, and both received the
+    state from rank 2: the check is that rank 1 is behind and some survivor ahead.)"""
     status, _, out, left = ft_job(tmp_path, "--fault", "lag")
     found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left)
     values = found[0]["recoveries"][0]["values"]
-    assert values == {"0": [13, True], "1": [12, True], "2": [13, True]}, values
+    # rank 1 behind, some survivor ahead: the state travels (MPICH: 13, 12, 13)
+    assert values["1"] == [12, True] and [13, True] in values.values(), values
+    assert all(v in ([12, True], [13, True]) for v in values.values()), values
 
 
 def test_skipping_the_step_agreement_goes_wrong(tmp_path):
@@ -205,6 +210,12 @@ def test_a_replacement_joins(tmp_path, tmp_path_factory):
                                    COMMLIB_TIMEOUT="60", ELASTIC_HOSTS=rank_hosts(N))
     assert status != -9 and not left, (status, out[-3000:])
     assert not leftover_shm(str(tmp_path))
+    refusal = mpi_impl().spawn_refusal
+    if refusal:  # refused on every survivor, by name, before MPI_Comm_spawn is called
+        assert status != 0 and not results(str(tmp_path)), (status, out[-3000:])
+        assert out.count(f"no replacement can be spawned on {mpi_impl().describe()}") == 3, \
+            out[-3000:]
+        pytest.skip(f"replacements refused (checked): {refusal}")
     found = results(str(tmp_path))
     assert sorted(found) == [0, 1, 2, 3], f"{sorted(found)} finished\n{out[-3000:]}"
     for rank, r in found.items():

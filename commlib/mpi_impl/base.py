@@ -50,6 +50,9 @@ class Implementation:
     #: Why fault-tolerant mode is refused (when ``fault_tolerance`` is None), or why it is
     #: refused beyond one machine (``"local"``).
     fault_tolerance_refusal: str = ""
+    #: Why ``MPI_Comm_spawn`` cannot be used (replacements in fault-tolerant mode:
+    #: ``group.grow``, ``commlib.elastic.run(replace=True)``), "" where it can.
+    spawn_refusal: str = ""
     #: The MPI_T control variable (an MCA parameter) that is true in a job launched with
     #: :attr:`keep_running_args` ("" where the library does not say): fault-tolerant mode
     #: checks it at ``init``.

