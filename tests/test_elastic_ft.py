@@ -7,7 +7,7 @@ jobs of 4 ranks on the MPI implementation under test, launched so that a rank ca
 with every later collective exact; nothing may hang, no process of the job may be left, no
 shared-memory segment of the job may stay in ``/dev/shm``.
 
-Cases: SIGKILL of one rank, ``os._exit`` of one, an ordinary ``sys.exit(0)`` of one (which
+Cases: SIGKILL of one rank (the last, or rank 0), ``os._exit`` of one, an ordinary ``sys.exit(0)`` of one (which
 must count as dead), two successive kills, a second death inside the survivors' agreement,
 and one while they build their communicator. Negative controls: the same kill with fault
 tolerance off ends the job, under today's launch (one proxy: the launcher kills every rank)
@@ -33,6 +33,7 @@ pytestmark = [serial_only, pytest.mark.timeout(600),
 # case -> (survivors, sizes of the groups a survivor goes through)
 CASES = {
     "kill": ([0, 1, 2], [4, 3]),
+    "kill0": ([1, 2, 3], [4, 3]),  # rank 0 SIGKILLed
     "exit": ([0, 1, 2], [4, 3]),
     "sysexit": ([0, 1, 2], [4, 3]),
     "two": ([0, 1], [4, 3, 2]),
@@ -73,7 +74,8 @@ def check_job(tmp_path, case: str, status: int, out: str, left: list[int]) -> di
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_survivors_go_on(tmp_path, case):
-    status, seconds, out, left = run_job(N, [PROGRAM, str(tmp_path), case], OUTER_S,
+    argv = ["kill", "--victim-rank", "0"] if case == "kill0" else [case]
+    status, seconds, out, left = run_job(N, [PROGRAM, str(tmp_path)] + argv, OUTER_S,
                                          COMMLIB_TIMEOUT="60")
     check_job(tmp_path, case, status, out, left)
 
