@@ -68,6 +68,10 @@ def abort_job(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
     from . import launch
     launch.abort(exit_code)  # a store-backed world (torchrun, srun...): the others leave too
     time.sleep(ABORT_GRACE_S)
+    if launch.current() is not None:
+        # The others follow the store; MPI_Abort would only wait, holding the GIL, for the
+        # answer of this process's PMI server thread (Intel MPI), or return (MPICH).
+        os._exit(exit_code)
     try:
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized():

@@ -233,8 +233,17 @@ class StoreWorld:
 def _finalize_wrapper(original: Callable[[], None], world: StoreWorld) -> Callable[[], None]:
     def Finalize() -> None:
         """Terminate the MPI execution environment (mpi4py's ``MPI.Finalize``; in a
-        store-backed world it then answers libmpi's last PMI message in advance)."""
-        original()
+        store-backed world ``MPI_Finalize`` is called through ctypes, which releases the
+        GIL: Intel MPI sends its PMI ``finalize`` from ``MPI_Finalize`` and waits for the
+        answer of this process's PMI server thread, which mpi4py's call, holding the GIL,
+        would never let run; then libmpi's last PMI message is answered in advance)."""
+        lib = world._lib
+        if lib is None or not hasattr(lib, "MPI_Finalize"):
+            original()
+        else:
+            err = lib.MPI_Finalize()
+            if err != 0:
+                raise RuntimeError(f"MPI_Finalize failed with MPI error code {err}")
         world.answer_exit()
     return Finalize
 

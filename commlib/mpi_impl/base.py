@@ -64,6 +64,12 @@ class Implementation:
     store_world_refusal: str = ""
     #: The ``srun --mpi=`` plugins under which Slurm forms this implementation's world.
     slurm_mpi_plugins: tuple[str, ...] = ()
+    #: Whether ``MPI_Abort`` waits for the process manager's answer to its PMI ``abort``
+    #: (Intel MPI) instead of returning (MPICH): in a store-backed world that answer comes
+    #: from a thread of the same process, which mpi4py's ``Comm.Abort`` (holding the GIL)
+    #: never lets run, so the calling rank hangs; commlib's own abort path does not call
+    #: ``MPI_Abort`` there.
+    pmi_abort_waits: bool = False
     #: Whether UCX carries its messages by default (the UCX settings of
     #: :mod:`commlib.ucx_env` then apply).
     uses_ucx: bool = False

@@ -41,6 +41,14 @@ def identify(text: str) -> Implementation | None:
             "without a dead rank, under mpiexec with or without -disable-auto-cleanup); "
             "replacements need the mpich wheel or Open MPI"),
         store_world=True,
+        pmi_abort_waits=True,
+        known_bugs=(
+            "MPI_Finalize sends its PMI finalize and waits for the answer: in a "
+            "store-backed world commlib calls it through ctypes, without the GIL",
+            "MPI_Abort waits for the process manager: in a store-backed world mpi4py's "
+            "Comm.Abort hangs the calling rank (use commlib's abort path: raise, or "
+            "sys.exit); commlib's own aborts leave through the store",
+        ),
         slurm_mpi_plugins=("pmi2", "none"),
         uses_ucx=False,
     )
