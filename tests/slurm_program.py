@@ -44,9 +44,9 @@ world = commlib.launch.current()
 if expect == "store":
     assert world is not None, commlib.launch.why_not()
     assert "PMI_FD" not in env and env["MASTER_ADDR"] == env["SLURM_STEP_NODELIST"].split(",")[0]
-else:
-    assert world is None and "PMI_FD" in (commlib.launch.why_not() or ""), \
-        commlib.launch.why_not()
+else:  # pmi: Slurm's PMI-2 server (PMI_FD) or its PMIx server (PMIX_RANK): MPI's own world
+    assert world is None and any(v in (commlib.launch.why_not() or "")
+                                 for v in ("PMI_FD", "PMIX_RANK")), commlib.launch.why_not()
 node = comm.Split_type(MPI.COMM_TYPE_SHARED)
 assert node.Get_size() == int(env["SLURM_STEP_TASKS_PER_NODE"].split("(")[0]), node.Get_size()
 assert node.Get_rank() == int(env["SLURM_LOCALID"]), (node.Get_rank(), env["SLURM_LOCALID"])
