@@ -15,9 +15,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OTHER_MPIS="${OTHER_MPIS-openmpi impi}"
 RUNTIME_FILES="tests/test_mpi_impl.py tests/test_faults.py tests/test_runner_exits.py
-  tests/test_shutdown.py tests/test_torch_launch.py tests/test_launch.py tests/test_example.py
-  tests/test_elastic_ft.py tests/test_elastic.py tests/test_async_faults.py
-  tests/test_failure_detection.py tests/test_wait_poll.py tests/test_slurm.py"
+  tests/test_shutdown.py tests/test_torch_launch.py tests/test_elastic_ft.py tests/test_slurm.py
+  tests/test_example.py"
 declare -A EXPECT=([openmpi]=openmpi [impi]=intel)
 status=0
 start=$SECONDS
