@@ -20,6 +20,11 @@ ranks alive). Fault ``F`` on victim ``R_i`` at step ``K_i``:
              optimizer step) while the others apply the step: the survivors are one step
              apart, which only the step agreement can repair (the other faults produce it
              by chance)
+``lagavg``   (``local_sgd``, ``K`` a multiple of ``sync_every``) the victim is killed right
+             after the average of step ``K``; survivor rank 1 takes part in that average but
+             then behaves as if its wait had been given up on (raises ``PeerFailure`` before
+             applying it): rank 1 is one average behind the others, with its own optimizer
+             state of step ``K`` (local_sgd never averages it)
 ``none``     no fault
 
 ``--reference C1[,C2]``: no fault tolerance, no failure: the same training, with the
@@ -166,7 +171,9 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     step, group = st.step, st.group
     idx = tr.sampler.indices(step, group.rank, group.size)
     fault = faults and plan.get(me) == step and args.fault
-    out = ddp(X[idx])
+    out = ddp(X[idx])  # (local_sgd: the pending average first)
+    if fault == "lagavg":
+        die("kill")
     if fault in ("kill", "exit"):
         hidden = out.grad_fn.next_functions[1][0]  # dies mid-backward, buckets in flight
         hidden.register_hook(lambda *a: die(args.fault))
@@ -186,6 +193,36 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     st.ledger.append([step + 1, group.size])
     st.commit()
     tr.times.append((st.step, time.time()))
+
+
+def lag_average() -> None:
+    """``lagavg`` on rank 1: the average of step ``K`` completes, then raises PeerFailure
+    before it is applied (as if the wait had been given up on just after the data came)."""
+    from commlib.algorithms.buckets import pack
+    from commlib.algorithms.local_sgd import LocalSGD
+    from commlib.primitives import allreduce as _allreduce
+    from commlib.reduce_ops import ReduceOp
+    original = LocalSGD._average
+    k, victim = plan.get(victims[0]), victims[0]
+
+    def _average(self, ctx) -> None:
+        if ctx.step != k or getattr(lag_average, "done", False):
+            return original(self, ctx)
+        lag_average.done = True
+        works = [_allreduce(pack(b), op=ReduceOp.AVG, group=ctx.group, async_op=True)
+                 for b in ctx.buckets]
+        for work in works:
+            work.wait()
+        while victim not in commlib.fault_tolerance.dead():
+            time.sleep(0.005)
+        raise commlib.PeerFailure("injected: this rank acts as if its average failed",
+                                  failed=[victim])
+
+    LocalSGD._average = _average
+
+
+if args.fault == "lagavg" and me == 1 and not reference and not scenarios:
+    lag_average()
 
 
 def train(st: elastic.State) -> None:

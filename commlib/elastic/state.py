@@ -74,7 +74,9 @@ class State:
       earliest last commit among them and each restores its own copy of it.
     * ``local_sgd``: a commit is the average after each ``sync_every``-th step (replicas
       are equal there), copied when the average is applied; a failure discards the partial
-      round (the local steps since), as torchft's DiLoCo does.
+      round (the local steps since), as torchft's DiLoCo does. A survivor that missed the
+      agreed average receives the averaged model, and keeps its own optimizer state (never
+      averaged: each replica's momentum is its own).
 
     ``scale_lr``: after a shrink multiply each parameter group's ``lr`` by
     ``new size / old size`` (for jobs whose per-rank batch is fixed; with
@@ -239,7 +241,19 @@ class State:
             if mine == top:
                 self._restore_own(top[0])
             if any(v != top for v in decision.values.values()):
-                self._receive(group, decision.members.index(decision.holder))
+                # SYNCED: the models are equal at an average, the optimizers never are
+                # (local_sgd averages weights only): each member keeps its own; one that
+                # missed the average has it live (it stepped up to it: checked)
+                own = self.policy == SYNCED
+                ahead = self._optimizer_steps - self._steps_at_commit
+                if own and mine != top and ahead != top[0] - mine[0]:
+                    raise CommError(
+                        f"commlib.elastic (rank {group.rank}): the survivors agreed on the "
+                        f"average of step {top[0]}, which this rank missed, but its "
+                        f"optimizer is not at that step ({ahead} steps after its commit "
+                        f"of step {mine[0]})")
+                self._receive(group, decision.members.index(decision.holder),
+                              optimizer=not own)
         d["recoveries"].append({"size": group.size, "members": list(group.ranks),
                                 "values": dict(decision.values), "step": self.step})
         if self.scale_lr and self.optimizer is not None and old_size != group.size:
@@ -269,8 +283,9 @@ class State:
         d["_steps_at_commit"] = self._optimizer_steps
         d["_clean"] = True
 
-    def _receive(self, group: Any, root: int) -> None:
-        """Collective over ``group``: everyone takes the state of member ``root``."""
+    def _receive(self, group: Any, root: int, optimizer: bool = True) -> None:
+        """Collective over ``group``: everyone takes the state of member ``root`` (its
+        optimizer's too, unless ``optimizer`` is false: each keeps its own)."""
         d = self.__dict__
         if group.rank == root:
             buffer = io.BytesIO()
@@ -296,7 +311,7 @@ class State:
         saved = torch.load(io.BytesIO(data.tobytes()), weights_only=False)
         with torch.no_grad():
             self.model.load_state_dict(saved["model"])
-        if self.optimizer is not None:
+        if self.optimizer is not None and optimizer:
             self.optimizer.load_state_dict(saved["optimizer"])
         d["step"], d["values"] = saved["step"], saved["values"]
         d["target_size"] = saved["target_size"]
