@@ -42,8 +42,9 @@ def tool(venv: Path, *args: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if line]
 
 
-def launch(venv: Path, n: int, argv: list[str], timeout: float) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}:{os.environ['PATH']}")
+def launch(venv: Path, n: int, argv: list[str], timeout: float, **extra: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}:{os.environ['PATH']}",
+               **extra)
     env.pop("VIRTUAL_ENV", None)
     env.update(line.split("=", 1) for line in tool(venv, "--launch-env"))
     cmd = [str(venv / "bin" / "mpiexec"), *tool(venv, "--launch", str(n)), *argv]
@@ -73,8 +74,11 @@ def imb(venv: Path, n: int, sizes: list[int], workdir: Path) -> dict[int, float]
         return None
     lengths = workdir / "msglen.txt"
     lengths.write_text("\n".join(str(s) for s in sizes) + "\n")
+    libs = sorted({str(p.parent) for p in venv.glob("lib/**/libmpi.so*")})
+    ld = os.pathsep.join(libs + [os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
     out = launch(venv, n, [str(venv / "bin" / "IMB-MPI1"), "Allreduce", "-npmin", str(n),
-                           "-msglen", str(lengths), "-mem", "2", "-time", "10"], 900)
+                           "-msglen", str(lengths), "-mem", "2", "-time", "10"], 900,
+                 LD_LIBRARY_PATH=ld)
     found = {}
     for line in out.splitlines():
         cols = line.split()

@@ -95,12 +95,12 @@ def _warn_if_intra_rndv() -> None:
             RuntimeWarning, stacklevel=3)
 
 
-def _cores() -> int:
-    """Cores this process may run on (its CPU affinity; the machine's count elsewhere)."""
+def _cores() -> tuple[int, ...]:
+    """The CPUs this process may run on (its affinity; the machine's CPUs elsewhere)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
 
 
 #: The poll interval of ``wait_poll_us="auto"`` on an oversubscribed host.
@@ -111,16 +111,19 @@ def wait_poll_s(everyone: list, setting: Any) -> float:
     """Seconds between tests of a blocking call's wait for the whole job (0: block in
     MPI), from every rank's ``(world rank, machine, cores)`` and the ``wait_poll_us``
     option: a number is taken as given; ``"auto"`` polls every :data:`AUTO_POLL_S` when
-    some host runs more of the job's ranks than it has cores (measured on 2 cores: FSDP's
-    step at 4 ranks halves, benchmarks/README.md), else 0."""
+    some host runs more of the job's ranks than its ranks can run on (measured on 2
+    cores: FSDP's step at 4 ranks halves, benchmarks/README.md), else 0. ``cores`` is the
+    CPUs a rank may run on (its affinity, :func:`_cores`; a count ``n`` means CPUs
+    ``0..n-1``): a host's CPUs are the union of its ranks', so ranks that the launcher
+    bound to one core each (Open MPI, Intel MPI) are not oversubscribed."""
     if setting != "auto":
         return float(setting) * 1e-6
     ranks: dict[str, int] = {}
-    cores: dict[str, int] = {}
-    for _, host, n in everyone:
+    cores: dict[str, set] = {}
+    for _, host, cpus in everyone:
         ranks[host] = ranks.get(host, 0) + 1
-        cores[host] = max(cores.get(host, 0), int(n))
-    return AUTO_POLL_S if any(ranks[h] > cores[h] for h in ranks) else 0.0
+        cores.setdefault(host, set()).update(range(cpus) if isinstance(cpus, int) else cpus)
+    return AUTO_POLL_S if any(ranks[h] > len(cores[h]) for h in ranks) else 0.0
 
 
 # Called at the end of every init() that makes the world, in registration order; layers
