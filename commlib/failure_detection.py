@@ -10,11 +10,11 @@ processes of the job are dead, read by one daemon thread per process.
   store-backed world of :mod:`commlib.launch`, which answers the same PMI key
   (``shared/notes/surviving-a-dead-rank.md``); ULFM's ``MPI_Comm_get_failed`` on Open MPI;
   none on Intel MPI). Read only while some peer of ``MPI_COMM_WORLD`` is not covered by
-  :class:`LocalProcesses` (on another machine), or once after an MPI error reported a
-  failure (:meth:`Watcher.urgent`): on MPICH every read is a PMI round trip, and a rank
-  that dies while its own read is in flight makes hydra's proxy fail to forward the answer
-  ("unable to forward PMI response to MPI process"), after which ``mpiexec`` ends the
-  whole job (measured: 1 of 24 4-rank jobs under load, when every rank polled).
+  :class:`LocalProcesses` (on another machine): each read is a call into MPI from this
+  thread, on MPICH a PMI round trip, and there a rank that dies while its own read is in
+  flight makes hydra's proxy fail to forward the answer ("unable to forward PMI response
+  to MPI process"), after which ``mpiexec`` ends the whole job (measured: 1 of 24 4-rank
+  jobs under load, when every rank polled).
 * :class:`StoreDetector`: in a store-backed world, process ids on this host and heartbeats
   in the store across hosts.
 * :class:`Watcher` polls every detector every :data:`POLL_S` seconds, keeps the monotone
@@ -136,8 +136,6 @@ class Watcher:
         self.available = self.launcher is not None
         self.polls = 0
         self.launcher_reads = 0  # polls that read self.launcher: a peer on another machine
-        self.urgent_reads = 0  # reads of it after an MPI error reported a failure (ULFM)
-        self._urgent = False
         self.changed = threading.Condition(self.lock)
         # The "world ranks" the dead are counted in: MPI_COMM_WORLD's, until a grown world
         # (spawned ranks merged in) replaces it (see rebase).
@@ -160,14 +158,9 @@ class Watcher:
         """Read every detector now; interrupt the waits that a new death concerns."""
         local = _local
         found = set() if local is None else set(local())
-        if self.launcher is not None:
-            if local is None or not local.covers_world():
-                self.launcher_reads += 1
-                found.update(self.launcher())
-            elif self._urgent:
-                self._urgent = False
-                self.urgent_reads += 1
-                found.update(self.launcher())
+        if self.launcher is not None and (local is None or not local.covers_world()):
+            self.launcher_reads += 1
+            found.update(self.launcher())
         for source in list(SOURCES):
             try:
                 found.update(int(r) for r in source())
@@ -192,11 +185,6 @@ class Watcher:
             except Exception:  # noqa: BLE001
                 pass
         return dead
-
-    def urgent(self) -> None:
-        """An MPI operation ended with a failure (ULFM): read the launcher's list at the
-        next poll even if every peer is on this machine."""
-        self._urgent = True
 
     def to_base(self, ranks: Iterable[int]) -> set[int]:
         """Ranks of this process's ``MPI_COMM_WORLD`` (what the detectors report) as ranks

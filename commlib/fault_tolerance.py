@@ -193,7 +193,7 @@ class FTRequest:
         try:
             done = self.req.Test(status)
         except MPI.Exception as exc:
-            if not _backend().failure_error(exc):
+            if not _backend().failure_error(exc, self.comm):
                 raise
             self._give_up(exc)
         if done:
@@ -208,7 +208,7 @@ class FTRequest:
 
     def _give_up(self, error: BaseException | None = None) -> None:
         ABANDONED.append((self.req, self.keep, self.comm))
-        if error is not None and not _backend().failure_error(error):
+        if error is not None and not _backend().failure_error(error, self.comm):
             raise error
         raise failure(self.comm, self.op, error)
 
@@ -224,7 +224,6 @@ def failure(comm: Any, op: str, error: BaseException | None = None) -> PeerFailu
         if isinstance(comm, FTComm):
             _backend().interrupt(comm)
         w = comm.watcher
-        w.urgent()
         deadline = time.monotonic() + DETECT_S
         while not comm.failed and time.monotonic() < deadline:
             w.wait_change(w.dead, 0.05)
@@ -237,7 +236,7 @@ def _start(comm: "FTComm", op: str, start: Callable, *args: Any, **kwargs: Any) 
     try:
         return start(comm, *args, **kwargs)
     except MPI.Exception as exc:
-        if not _backend().failure_error(exc):
+        if not _backend().failure_error(exc, comm):
             raise
         raise failure(comm, op, exc) from None
 
@@ -455,7 +454,7 @@ def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
             raise comm.failure(op)
     ok, value = out[0]
     if not ok:
-        if _backend().failure_error(value):
+        if _backend().failure_error(value, comm if isinstance(comm, FTComm) else None):
             ABANDONED.append((thread, args))
             raise failure(comm, op, value) from None
         raise value

@@ -114,9 +114,10 @@ class Backend:
         process id (one machine); ``store``: a store-backed world (heartbeats); ``size``:
         ranks in ``MPI_COMM_WORLD``."""
 
-    def failure_error(self, exc: BaseException) -> bool:
-        """Whether the MPI error ``exc`` reports a dead peer or a revoked communicator
-        (then the caller raises :class:`PeerFailure`)."""
+    def failure_error(self, exc: BaseException, comm: Any = None) -> bool:
+        """Whether the MPI error ``exc`` (of an operation on ``comm``, if known) reports a
+        dead peer or a revoked communicator (then the caller raises
+        :class:`PeerFailure`)."""
         return False
 
     def interrupt(self, comm: Any) -> bool:
@@ -173,11 +174,26 @@ class Ulfm(Backend):
                 f"{' '.join(self.impl.keep_running_args or ())} -n N python script.py`, "
                 f"or leave fault-tolerant mode off")
 
-    def failure_error(self, exc: BaseException) -> bool:
+    def failure_error(self, exc: BaseException, comm: Any = None) -> bool:
         if not isinstance(exc, MPI.Exception):
             return False
         try:
-            return exc.Get_error_class() in self.FAILURES
+            if exc.Get_error_class() in self.FAILURES:
+                return True
+        except MPI.Exception:
+            return False
+        # Another class while the communicator is revoked or holds a dead process: a
+        # nonblocking collective whose next round could not start reports MPI_ERR_OTHER
+        # ("Error in NBC_Start_round", 1 of 14 'exit' jobs): the failure too.
+        try:
+            if isinstance(comm, MPI.Comm) and comm != MPI.COMM_NULL and comm.Is_revoked():
+                return True
+            failed = (comm if isinstance(comm, MPI.Comm) and comm != MPI.COMM_NULL
+                      else MPI.COMM_WORLD).Get_failed()
+            try:
+                return failed.Get_size() > 0
+            finally:
+                failed.Free()
         except MPI.Exception:
             return False
 
@@ -261,7 +277,7 @@ def iprobe_any(comm: Any, tag: int, status: Any) -> bool:
         try:
             return comm.Iprobe(MPI.ANY_SOURCE, tag, status)
         except MPI.Exception as exc:
-            if not b.failure_error(exc):
+            if not b.failure_error(exc, comm):
                 raise
             b.acknowledge(comm)
     return False
@@ -273,7 +289,7 @@ def isend(comm: Any, obj: Any, dest: int, tag: int) -> Any:
     try:
         return comm.isend(obj, dest=dest, tag=tag)
     except MPI.Exception as exc:
-        if backend().failure_error(exc):
+        if backend().failure_error(exc, comm):
             return None
         raise
 

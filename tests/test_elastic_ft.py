@@ -57,10 +57,10 @@ def check_job(tmp_path, case: str, status: int, out: str, left: list[int]) -> di
         # commlib.failure_detection)
         assert data["polls"] > 0 and data["launcher_reads"] == 0, (case, rank, data)
         if mpi_impl().fault_tolerance == "ulfm":
-            # the library reported the failure (an operation ended with an error), and
             # revoking the communicator brought every waiter given up on back from MPI
-            waits = data["waits"]
-            assert waits["errors"] > 0 and waits["left_in_mpi"] == 0, (case, rank, waits)
+            # (whether a survivor's wait was ended by the library, by the revoke or not at
+            # all, as when it noticed the death between two operations, is timing)
+            assert data["waits"]["left_in_mpi"] == 0, (case, rank, data["waits"])
         assert [g["size"] for g in data["groups"]] == sizes, (case, rank, data["groups"])
         for g in data["groups"][1:]:
             assert g["ranks"] == survivors or len(g["ranks"]) > len(survivors), (case, g)

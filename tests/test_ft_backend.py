@@ -68,6 +68,12 @@ def test_ulfm_failure_errors():
         assert ulfm.failure_error(MPI.Exception(cls))
     assert not ulfm.failure_error(MPI.Exception(MPI.ERR_OTHER))
     assert not ulfm.failure_error(ValueError("not MPI"))
+    # another class on a revoked communicator (libnbc's "Error in NBC_Start_round"
+    # reports MPI_ERR_OTHER) is the failure too; on a sound one it is not
+    revoked, sound = MPI.COMM_SELF.Dup(), MPI.COMM_SELF.Dup()
+    revoked.Revoke()
+    assert ulfm.failure_error(MPI.Exception(MPI.ERR_OTHER), revoked)
+    assert not ulfm.failure_error(MPI.Exception(MPI.ERR_OTHER), sound)
     assert not ft_backend.Pmi(identify(TEXTS["mpich"])).failure_error(
         MPI.Exception(MPI.ERR_PROC_FAILED))
 
@@ -90,7 +96,7 @@ def test_control_messages_skip_the_dead_and_probe_on(monkeypatch):
     class Backend(ft_backend.Backend):
         acked = 0
 
-        def failure_error(self, exc):
+        def failure_error(self, exc, comm=None):
             return exc is failed
 
         def acknowledge(self, comm):

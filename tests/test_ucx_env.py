@@ -121,7 +121,10 @@ def test_a_sender_dying_mid_message_leaves_the_receiver_alive():
 def intra_node_protocols(**env: str | None) -> dict[str, set[str]]:
     """The transports UCX chose for each operation between two ranks of one machine
     (``UCX_PROTO_INFO=y``'s tables of ``intra-node`` configurations): operation ->
-    transports of its rows, from a 2-rank job that imports commlib first."""
+    transports of its rows, from a 2-rank job that imports commlib first. Each line is
+    read as its process's (UCX prefixes ``[host:pid:thread]``): the two ranks' tables
+    interleave, and a row of a ``self`` table (``cma`` for puts to itself) read under the
+    other rank's ``intra-node`` header failed the check 1 time in about 8."""
     env = clean_env(MPIR_CVAR_CH4_NETMOD="ucx", PYTHONPATH=ROOT + os.pathsep + HERE,
                     UCX_PROTO_INFO="y", UCX_TLS=None, UCX_RNDV_THRESH=None, **env)
     code = ("import commlib; import numpy as np; from mpi4py import MPI; "
@@ -129,14 +132,17 @@ def intra_node_protocols(**env: str | None) -> dict[str, set[str]]:
     got = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
+    import re
     tables: dict[str, set[str]] = {}
-    current = None
+    current: dict[str, str | None] = {}  # per process: the two ranks' lines interleave
     for line in (got.stdout + got.stderr).splitlines():
+        who = re.search(r"\[[^\]\s]+:(\d+):\d+\]", line)
+        pid = who.group(1) if who else ""
         cells = [c.strip() for c in line.split("|")[1:-1]]
         if len(cells) == 2 and "cfg#" in cells[0]:
-            current = cells[1] if "intra-node" in cells[0] else None
-        elif current is not None and len(cells) == 3:
-            tables.setdefault(current, set()).add(cells[2].split("/")[0])
+            current[pid] = cells[1] if "intra-node" in cells[0] else None
+        elif current.get(pid) is not None and len(cells) == 3:
+            tables.setdefault(current[pid], set()).add(cells[2].split("/")[0])
     return tables
 
 
