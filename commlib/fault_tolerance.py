@@ -66,8 +66,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from .errors import PeerFailure
+from .errors import CommError, PeerFailure
 from .ft_backend import backend as _backend
+from .options import options
 # Detection (the watcher thread and its detectors) is commlib.failure_detection's; these
 # names are part of this module's API too.
 from .failure_detection import (POLL_S, SOURCES, StoreDetector, Watcher,  # noqa: F401
@@ -431,7 +432,9 @@ def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
     ``failure(op)`` and ``watcher``) says when to give up; then raise its
     :class:`PeerFailure` and leave the thread inside MPI (see the module docstring; an
     :class:`FTComm` is revoked first where the library can, which ends the call). A
-    failure the call itself reports (ULFM) is :class:`PeerFailure` too."""
+    failure the call itself reports (ULFM) is :class:`PeerFailure` too. A call that neither
+    ends nor fails within ``COMMLIB_TIMEOUT`` raises :class:`CommError` (the watchdog does
+    not see these calls)."""
     if comm.failed:
         raise comm.failure(op)
     done = threading.Event()
@@ -446,7 +449,13 @@ def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
 
     thread = threading.Thread(target=run, name=f"commlib-ft-{op}", daemon=True)
     thread.start()
+    limit = time.monotonic() + float(options.timeout)
     while not done.wait(POLL_S):
+        if time.monotonic() > limit and not done.is_set():
+            ABANDONED.append((thread, args))
+            raise CommError(f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {op} did not "
+                            f"complete within {float(options.timeout):g} s (COMMLIB_TIMEOUT) "
+                            f"and no peer is known dead; giving it up")
         if comm.failed:
             ABANDONED.append((thread, args))
             if isinstance(comm, FTComm):

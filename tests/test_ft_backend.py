@@ -126,3 +126,25 @@ def test_control_messages_skip_the_dead_and_probe_on(monkeypatch):
 
     with pytest.raises(MPI.Exception):
         ft_backend.isend(Broken(), "x", 1, 5)
+
+
+def test_a_blocking_call_on_a_helper_thread_is_bounded(monkeypatch):
+    """``fault_tolerance.in_thread`` (communicator creation, the survivors' one included,
+    which the watchdog does not see): a call that neither ends nor fails within
+    ``COMMLIB_TIMEOUT`` raises CommError instead of hanging; one that returns is returned."""
+    import threading
+    import time
+
+    from commlib import fault_tolerance
+    from commlib.options import options
+
+    class Alive:
+        failed = False
+
+    monkeypatch.setattr(options, "timeout", 0.3)
+    start = time.monotonic()
+    with pytest.raises(CommError, match=r"MPI Comm_create_group did not complete within "
+                                        r"0\.3 s \(COMMLIB_TIMEOUT\)"):
+        fault_tolerance.in_thread(Alive(), "Comm_create_group", threading.Event().wait, 5)
+    assert time.monotonic() - start < 3
+    assert fault_tolerance.in_thread(Alive(), "Comm_create_group", lambda x: x + 1, 1) == 2
