@@ -18,9 +18,11 @@ left, and each one's value) and build their communicator. What differs is here:
   world's heartbeats watch it.
 * :class:`Ulfm` (Open MPI 5, ``mpirun --with-ft ulfm``): User-Level Failure Mitigation.
   ``MPI_Comm_get_failed`` (mpi4py's ``Comm.Get_failed``; Open MPI's handles are pointers,
-  so never :class:`Mpix`) is the launcher's list; an operation waiting on a dead peer
-  completes with ``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_REVOKED``): :meth:`failure_error`
-  says so, and the wait turns it into :class:`PeerFailure`; a wait given up on is
+  so never :class:`Mpix`) is the launcher's list (read for peers on other machines; those
+  of this machine are watched by process id first); an operation waiting on a dead peer
+  completes with ``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_REVOKED``, or another class on a
+  revoked communicator): :meth:`failure_error` says so, and the wait turns it into
+  :class:`PeerFailure`; a wait given up on is
   interrupted with ``MPI_Comm_revoke`` (:meth:`interrupt`: the pending operations of that
   communicator end with an error on every member, and the waiter thread is free again);
   a receive or probe from ``MPI_ANY_SOURCE`` fails until the failures are acknowledged
