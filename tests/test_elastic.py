@@ -141,12 +141,16 @@ def test_local_sgd_survivor_one_average_behind(tmp_path, tmp_path_factory):
 def test_skipping_the_step_agreement_goes_wrong(tmp_path):
     """Negative control (3 ranks: no reference needed): the same failure, each survivor
     going on from its own commit: rank 1 stays a step behind rank 0, their collectives no
-    longer match, and the job does not finish (the watchdog ends it)."""
+    longer match, and the job does not finish (the watchdog ends it). The launcher's end of
+    the job after the watchdog's MPI_Abort takes a while: under ULFM the other survivor
+    counted the aborting rank dead and once finished alone (at 1 rank, a second shrink)
+    before it was killed; no survivor finishes over the first shrink's group."""
     status, _, out, left = ft_job(tmp_path, "--fault", "lag", "--victims", "2",
                                   "--skip-agreement", timeout="6", n=3)
     assert status != -9 and not left, (status, out[-2000:])
-    assert status == 70 and not results(str(tmp_path)), (status, out[-2000:])
-    assert "did not complete within 6 s" in out
+    assert status == 70 and "did not complete within 6 s" in out, (status, out[-2000:])
+    for rank, r in results(str(tmp_path)).items():
+        assert len(r["recoveries"]) > 1 and r["size"] == 1, (rank, r["recoveries"])
 
 
 # A rare flake of issue 21's closing note (once in ~20 runs a survivor did not finish). Its
