@@ -426,7 +426,13 @@ def adopt(comm: Any, known_dead: Iterable[int] | None = None, name: str = "") ->
     return FTComm(comm).ft_init(known_dead, name)
 
 
-def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
+class CallTimedOut(CommError):
+    """A blocking MPI call on a helper thread (:func:`in_thread`) neither ended nor failed
+    within its limit; the thread was left inside MPI."""
+
+
+def in_thread(comm: Any, op: str, fn: Callable, *args: Any,
+              limit_s: float | None = None) -> Any:
     """Run the blocking MPI call ``fn(*args)`` on a helper thread and wait for it with
     failure detection: ``comm`` (an :class:`FTComm`, or any object with ``failed``,
     ``failure(op)`` and ``watcher``) says when to give up; then raise its
@@ -434,7 +440,8 @@ def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
     :class:`FTComm` is revoked first where the library can, which ends the call). A
     failure the call itself reports (ULFM) is :class:`PeerFailure` too. A call that neither
     ends nor fails within ``COMMLIB_TIMEOUT`` raises :class:`CommError` (the watchdog does
-    not see these calls)."""
+    not see these calls; ``limit_s``: a shorter limit, for a caller that retries), a
+    :class:`CallTimedOut`."""
     if comm.failed:
         raise comm.failure(op)
     done = threading.Event()
@@ -449,13 +456,15 @@ def in_thread(comm: Any, op: str, fn: Callable, *args: Any) -> Any:
 
     thread = threading.Thread(target=run, name=f"commlib-ft-{op}", daemon=True)
     thread.start()
-    limit = time.monotonic() + float(options.timeout)
+    seconds = float(options.timeout if limit_s is None else limit_s)
+    limit = time.monotonic() + seconds
     while not done.wait(POLL_S):
         if time.monotonic() > limit and not done.is_set():
             ABANDONED.append((thread, args))
-            raise CommError(f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {op} did not "
-                            f"complete within {float(options.timeout):g} s (COMMLIB_TIMEOUT) "
-                            f"and no peer is known dead; giving it up")
+            what = "COMMLIB_TIMEOUT" if limit_s is None else "this attempt's limit"
+            raise CallTimedOut(f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {op} did "
+                               f"not complete within {seconds:g} s ({what}) and no peer is "
+                               f"known dead; giving it up")
         if comm.failed:
             ABANDONED.append((thread, args))
             if isinstance(comm, FTComm):

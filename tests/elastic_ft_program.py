@@ -16,6 +16,9 @@ last ranks):
 ``creating``     the last rank is killed at iteration 20; the one before dies while the
                  survivors build their communicator (after the agreement)
 ``sysexit``      the last rank calls ``sys.exit(0)`` at iteration 20 (an ordinary exit)
+``stuck``        the last rank is killed at iteration 20; every survivor's first attempt
+                 at their communicator never returns (as once on Open MPI under load):
+                 they give it up after ``create_limit()`` and build it again
 
 Every rank writes ``OUTDIR/shm{r}.json`` (the shared-memory segments it maps) after ``init``; each
 rank that finishes writes ``OUTDIR/rank{r}.json``: its iterations, the groups it went
@@ -75,7 +78,8 @@ def victim_plan() -> dict[int, tuple[int, str]]:
             "sysexit": {last: (20, "sysexit")},
             "two": {last: (20, "kill"), before: (40, "kill")},
             "during": {last: (20, "kill"), before: (-1, "agreement")},
-            "creating": {last: (20, "kill"), before: (-1, "creating")}}[args.case]
+            "creating": {last: (20, "kill"), before: (-1, "creating")},
+            "stuck": {last: (20, "kill")}}[args.case]
     return plan
 
 
@@ -97,13 +101,27 @@ if plan is not None and plan[1] == "creating":
     from commlib import fault_tolerance
     original_in_thread = fault_tolerance.in_thread
 
-    def dying_in_thread(comm, op, fn, *a):
+    def dying_in_thread(comm, op, fn, *a, **kw):
         if op in ("Comm_create_group", "Comm_create_from_group"):  # (ULFM: ft_backend)
             time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
-        return original_in_thread(comm, op, fn, *a)
+        return original_in_thread(comm, op, fn, *a, **kw)
 
     fault_tolerance.in_thread = dying_in_thread
+if args.case == "stuck" and plan is None:
+    import threading
+
+    from commlib import ft_backend
+    creations = []
+    real_create = ft_backend.backend().create
+
+    def stuck_create(*a):  # the first attempt never returns; later ones are MPI's
+        creations.append(a[-1])
+        if len(creations) == 1:
+            threading.Event().wait()
+        return real_create(*a)
+
+    ft_backend.backend().create = stuck_create
 
 group = commlib.world()
 it = 0
@@ -153,4 +171,5 @@ with open(os.path.join(args.outdir, f"rank{world_rank}.json"), "w") as f:
     watcher = ft_module.watcher()
     json.dump({"rank": world_rank, "iters": it, "groups": groups, "failures": failures,
                "polls": watcher.polls, "launcher_reads": watcher.launcher_reads,
+               "creations": len(creations) if args.case == "stuck" else None,
                "waits": dict(ft_module.COUNTS)}, f)

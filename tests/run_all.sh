@@ -28,7 +28,7 @@ for rt in $OTHER_MPIS; do
   if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q torch==2.13.0 -e ".[$rt,test]"; }; then
     echo "=== $rt: install FAILED"; status=1; continue
   fi
-  env -u VIRTUAL_ENV PATH="$PWD/$venv/bin:$PATH" COMMLIB_EXPECT_MPI="${EXPECT[$rt]}" \
+  env -u VIRTUAL_ENV PATH="$PWD/$venv/bin:$PATH" EXPECT_MPI_IMPL="${EXPECT[$rt]}" \
     PHASES="serial 2 4" SERIAL_FILES="$(echo $RUNTIME_FILES)" tests/run_runtime.sh || status=1
   echo "=== $(( SECONDS - start )) s so far"
 done

@@ -28,6 +28,8 @@ segments() {  # the /dev/shm files whose names start with one of PREFIXES
     'BEGIN { n = split(p, a, " ") } { for (i = 1; i <= n; i++) if (index($0, a[i]) == 1) { print; break } }' | sort
 }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
+t0=$SECONDS
+took() { echo "=== took $(( SECONDS - t0 )) s"; t0=$SECONDS; }
 shm_before="$(segments)"
 status=0
 echo "=== MPI runtime: $RUNTIME; phases: $PHASES"
@@ -45,10 +47,12 @@ if has serial; then
   echo "=== 1 rank: ${SERIAL[*]} but the fault matrix (${XDIST[*]:-one file at a time})"
   timeout 1500 "${PYTEST[@]}" --with-mpi -m "not fault_matrix" ${XDIST[@]+"${XDIST[@]}"} \
     "${SERIAL[@]}" || status=1
+  took
 fi
 if has fault_matrix; then
   echo "=== fault matrix (algorithm x fault x 2, 3 ranks)"
   timeout 1500 "${PYTEST[@]}" -m fault_matrix tests || status=1
+  took
 fi
 # Only the files that hold `mpi`-marked tests: every rank of every run collects what it is
 # given, and the others' modules (and what they import) would only be skipped.
@@ -59,6 +63,7 @@ for n in 2 3 4; do
   mapfile -t LAUNCH < <(python -m commlib.mpi_impl --launch "$n")
   echo "=== $n ranks: multi-rank tests (${#MPI_FILES[@]} files): mpiexec ${LAUNCH[*]}"
   timeout 900 mpiexec "${LAUNCH[@]}" "${PYTEST[@]}" --only-mpi "${MPI_FILES[@]}" || status=1
+  took
 done
 left="$(comm -13 <(echo "$shm_before") <(segments) | tr '\n' ' ')"
 if [ -n "${left// /}" ]; then

@@ -201,8 +201,8 @@ def on_the_cluster() -> None:
 @pytest.mark.usefixtures("on_the_cluster")
 @pytest.mark.parametrize("layout", [(2, 2), (4, 1)])
 def test_two_tier_cluster(tmp_path, tmp_path_factory, layout):
-    """SIGKILL of rank 3: on 2 x 2 hydra ends its node (rank 2 too), on 4 x 1 it dies
-    alone; the survivors finish, exactly as the reference. The reference is the per-rank
+    """SIGKILL of rank 3: on 2 x 2 hydra usually ends its node (rank 2 too; when it does
+    not, rank 2 survives as on 4 x 1), on 4 x 1 it dies alone; the survivors finish, exactly as the reference. The reference is the per-rank
     launch's (measured bitwise equal to the same reference run on the cluster: 4 x 1 has
     its layout, one rank per node; on 2 x 2 MPICH's 4-rank allreduce adds the same pairs,
     (0+1)+(2+3), and 2 ranks add in either order alike), so no reference job runs here."""
@@ -210,8 +210,13 @@ def test_two_tier_cluster(tmp_path, tmp_path_factory, layout):
     with netsim.two_tier(nodes=nodes, ranks_per_node=per_node, rate_mbit=None) as cluster:
         argv = [PROGRAM, str(tmp_path), "--steps", str(STEPS), "--fault", "kill"]
         status, _, out, left = run_cluster_job(cluster, argv, OUTER_S, COMMLIB_TIMEOUT="60")
-    survivors = [0, 1] if per_node == 2 else [0, 1, 2]
     found = results(str(tmp_path))
+    survivors = [0, 1, 2]
+    if per_node == 2 and sorted(found) != survivors:
+        # Usually the node's proxy ends rank 2 with its node; once in CI (1 run of many)
+        # it did not, and rank 2 went on as a survivor: commlib's outcome is exact either
+        # way, which the check below verifies for whichever ranks survived.
+        survivors = [0, 1]
     recoveries = len(next(iter(found.values()))["recoveries"]) if found else 1
     check(tmp_path, tmp_path_factory, survivors, recoveries, status, out, left)
 

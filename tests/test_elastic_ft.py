@@ -9,7 +9,8 @@ shared-memory segment of the job may stay in ``/dev/shm``.
 
 Cases: SIGKILL of one rank (the last, or rank 0), ``os._exit`` of one, an ordinary ``sys.exit(0)`` of one (which
 must count as dead), two successive kills, a second death inside the survivors' agreement,
-and one while they build their communicator. Negative controls: the same kill with fault
+one while they build their communicator, and a creation that never returns on every
+survivor (given up and built again). Negative controls: the same kill with fault
 tolerance off ends the job, under today's launch (one proxy: the launcher kills every rank)
 and under the per-rank launch (the survivors wait until the watchdog aborts the job, or
 under ULFM the MPI error aborts it).
@@ -39,6 +40,7 @@ CASES = {
     "two": ([0, 1], [4, 3, 2]),
     "during": ([0, 1], [4, 2]),
     "creating": ([0, 1], [4, 2]),
+    "stuck": ([0, 1, 2], [4, 3]),
 }
 
 
@@ -77,7 +79,9 @@ def test_survivors_go_on(tmp_path, case):
     argv = ["kill", "--victim-rank", "0"] if case == "kill0" else [case]
     status, seconds, out, left = run_job(N, [PROGRAM, str(tmp_path)] + argv, OUTER_S,
                                          COMMLIB_TIMEOUT="60")
-    check_job(tmp_path, case, status, out, left)
+    found = check_job(tmp_path, case, status, out, left)
+    if case == "stuck":  # the first creation was given up, the second built the group
+        assert {r: found[r]["creations"] for r in found} == {0: 2, 1: 2, 2: 2}, found
 
 
 # How the kill ends a job without fault tolerance, per implementation (measured). The plain

@@ -148,3 +148,10 @@ def test_a_blocking_call_on_a_helper_thread_is_bounded(monkeypatch):
         fault_tolerance.in_thread(Alive(), "Comm_create_group", threading.Event().wait, 5)
     assert time.monotonic() - start < 3
     assert fault_tolerance.in_thread(Alive(), "Comm_create_group", lambda x: x + 1, 1) == 2
+    # A caller that retries (the survivors' creation) gives one attempt a shorter limit.
+    monkeypatch.setattr(options, "timeout", 60)
+    start = time.monotonic()
+    with pytest.raises(fault_tolerance.CallTimedOut, match=r"within 0\.2 s \(this attempt"):
+        fault_tolerance.in_thread(Alive(), "Comm_create_from_group", threading.Event().wait,
+                                  5, limit_s=0.2)
+    assert time.monotonic() - start < 3

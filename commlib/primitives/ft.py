@@ -5,8 +5,12 @@ survivors agree (:mod:`commlib.agreement`) on who is left and on a value each br
 step it committed), then build their communicator with ``MPI_Comm_create_group`` over a
 control communicator, or ``MPI_Comm_create_from_group`` under ULFM
 (:meth:`commlib.ft_backend.Backend.create`; only survivors take part; on a helper thread,
-abandoned if another rank dies meanwhile, and the agreement runs again). :func:`grow` adds
-spawned ranks.
+abandoned if another rank dies meanwhile, and the agreement runs again). A creation that
+neither ends nor fails within :func:`create_limit` is abandoned too and the survivors agree
+again and build it under a new name (once in ~250 Open MPI jobs under load every survivor's
+``MPI_Comm_create_from_group`` hung with every member alive); after
+:data:`CREATE_ATTEMPTS` such attempts ``shrink`` raises :class:`CommError`. :func:`grow`
+adds spawned ranks.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from ..options import options
 
 #: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
 CREATE_TAG_BASE = 1000
+#: Survivors' communicator creations that time out (:func:`create_limit`) before
+#: :func:`shrink` raises.
+CREATE_ATTEMPTS = 3
 #: Tries of ``MPI_Comm_spawn`` in :func:`grow` before it raises.
 SPAWN_ATTEMPTS = 3
 
@@ -72,6 +79,13 @@ def agreement() -> Agreement:
     return _agreement
 
 
+def create_limit() -> float:
+    """Seconds one attempt at the survivors' communicator may take: a quarter of
+    ``COMMLIB_TIMEOUT``, at least 10 and at most 60 (a creation takes milliseconds; every
+    survivor starts it within the agreement's round trip)."""
+    return min(float(options.timeout), max(10.0, min(60.0, float(options.timeout) / 4)))
+
+
 def _dead_or_left() -> frozenset[int]:
     w = fault_tolerance.watcher()
     return w.dead | frozenset(w.to_base(exits.left_ranks()))
@@ -105,6 +119,7 @@ def shrink(comm: Communicator, value: Any = 0,
     ag = agreement()
     universe = tuple(comm.world_ranks)
     limit = float(options.timeout if timeout is None else timeout)
+    timeouts = 0
     with _lock:
         while True:
             decision = ag.decide(universe, value, _dead_or_left, limit)
@@ -116,13 +131,22 @@ def shrink(comm: Communicator, value: Any = 0,
             tag = CREATE_TAG_BASE + len(decision.dead) * 64 + decision.generation % 64
             # names this decision alike on every survivor (and no other decision)
             key = (f"{fault_tolerance.watcher().epoch}/{universe}/"
-                   f"{sorted(decision.dead)}/{decision.generation}")
+                   f"{sorted(decision.dead)}/{decision.generation}/{timeouts}")
             b = backend()
             try:
                 mpi = fault_tolerance.in_thread(_Pending(decision, known), b.create_op,
-                                                b.create, _ctl, members, tag, key)
+                                                b.create, _ctl, members, tag, key,
+                                                limit_s=create_limit())
             except PeerFailure:
                 continue  # another rank died meanwhile: agree again without it
+            except fault_tolerance.CallTimedOut as exc:
+                timeouts += 1  # every survivor's timed out alike: agree again, a new name
+                if timeouts >= CREATE_ATTEMPTS:
+                    raise CommError(f"{where('shrink', MPI.COMM_WORLD.Get_rank())}: the "
+                                    f"survivors' communicator was not built in "
+                                    f"{CREATE_ATTEMPTS} attempts of {create_limit():g} s "
+                                    f"each ({exc})") from None
+                continue
             finally:
                 members.Free()
             break
