@@ -35,7 +35,7 @@ summed by an allreduce, hence the allgather (the paper's code gathers too).
   ``8 k_t`` bytes. The others decode to 0.
 * ``"int8"``: commlib's min-max uint8 kernels (``commlib.kernels``) over the bucket in
   chunks of 2048: ``kernels.compressed_nbytes(L, 2048, "minmax_uint8")`` = ``32 + 8 *
-  ceil(L / 2048) + L`` bytes.
+  ceil(L / 2048) + L`` bytes rounded up to a multiple of 8.
 * ``"int4"``: commlib's 4-bit min-max codes (:mod:`commlib.algorithms.int4`), chunks of
   2048: ``int4.nbytes(L, 2048)`` = ``ceil(L / 2048) * (8 + 1024)`` bytes.
 * ``None``: no compression: the average is DiLoCo's allreduce (``error_feedback`` then has
@@ -69,7 +69,7 @@ accumulators) is changed then.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import torch
 
