@@ -20,7 +20,8 @@ import commlib  # noqa: E402
 from algo_harness import (BUCKET_MB, batch_indices, bus_bytes, digits,  # noqa: E402
                           full_loss, model, param_groups, same_everywhere, train)
 from commlib import NonFiniteError  # noqa: E402
-from commlib.algorithms.sparseloco import SparseLoCo, pack_bits, unpack_bits  # noqa: E402
+from commlib.algorithms.sparseloco import (SparseLoCo, layout, pack_bits,  # noqa: E402
+                                           unpack_bits)
 from commlib.ddp import per_rank_state  # noqa: E402
 from test_diloco import flat, gap, inner  # noqa: E402
 from test_diloco import our_run as diloco_run  # noqa: E402
@@ -138,6 +139,30 @@ def test_bit_packing_round_trips():
     assert pack_bits(torch.tensor([1, 2, 3]), 2).tolist() == [0b111001]
 
 
+def test_ties_go_to_the_lower_index_and_two_bits_give_four_levels():
+    """One chunk of 8, k=3: among equal magnitudes the lower index is sent; 2 bits decode
+    to +-lo, +-hi (lo, hi: the smallest and largest sent magnitude); the residual keeps
+    what was not sent and the quantization error."""
+    algo = SparseLoCo(density=3 / 8, chunk_size=8, value_bits=2)
+    lay = layout([8], 8, 3 / 8, 2)
+    assert (lay.chunks, lay.values, lay.nbytes) == (1, 3, 8 + 2 + 1)   # 3 x 3-bit indices
+    e = torch.tensor([0.5, -2.0, 1.0, 2.0, -1.0, 0.25, 1.0, -1.5], dtype=torch.float64)
+    out, residual = torch.zeros_like(e), e.clone()
+    algo.decode(algo.encode(e, lay), lay, out, residual=residual)
+    # sent: -2.0 (1), 2.0 (3), -1.5 (7): levels lo=1.5, hi=2.0
+    assert out.tolist() == [0, -2.0, 0, 2.0, 0, 0, 0, -1.5]
+    assert torch.equal(residual, e - out)
+    tie = torch.tensor([1.0, -3.0, 3.0, -3.0, 0, 3.0, 0, 0], dtype=torch.float64)
+    out.zero_()
+    algo.decode(algo.encode(tie, lay), lay, out)
+    assert out.tolist() == [0, -3.0, 3.0, -3.0, 0, 0, 0, 0]
+    four = SparseLoCo(density=1.0, chunk_size=8, value_bits=2)
+    lay = layout([8], 8, 1.0, 2)
+    out.zero_()
+    four.decode(four.encode(e, lay), lay, out)
+    assert out.tolist() == [0.25, -2.0, 0.25, 2.0, -0.25, 0.25, 0.25, -2.0]
+
+
 # -- bytes --------------------------------------------------------------------------------
 def formula_bytes(ddp, chunk_size, density, value_bits) -> int:
     """sum over buckets of 8 N_b + ceil(K_b w / 8) + ceil(K_b b / 8), from the parameter
@@ -193,7 +218,7 @@ def test_defaults_send_at_most_a_thirtieth_of_diloco():
     if n > 1:
         ratio = bus_bytes(ours["stats"]) / bus_bytes(theirs["stats"])
         print(f"  bus bytes {ratio:.5f} (1/{1 / ratio:.1f})")
-        assert abs(ratio - n * sent / 2) < 1e-12
+        assert ratio == pytest.approx(n * sent / 2, rel=1e-4)  # allreduce: 2(n-1)B//n
         assert ratio <= 1 / 30, ratio
 
 
@@ -216,14 +241,17 @@ class LocalSparseLoCo(SparseLoCo):
             self.write_weights(b, self._global[b.index])
 
 
-CONVERGE = dict(sync_every=4, density=0.1, chunk_size=64)
+CONVERGE = dict(sync_every=4, density=0.07, chunk_size=64)
 
 
 @pytest.mark.mpi
 def test_sparseloco_converges_per_replica_and_the_controls_do_not():
-    """60 iterations, H=4, 10% of each 64-element chunk in 2 bits: every replica's loss
-    on the whole set; without error feedback (error_decay=0) and without communication the
-    worst replica is measurably worse (margins printed)."""
+    """60 iterations, H=4, 5 of each 64-element chunk (7%) in 2 bits: every replica's loss
+    on the whole set. Without error feedback (error_decay=0) and without communication the
+    worst replica is measurably worse. Measured (MPICH, worst replica): sparseloco 0.494,
+    0.430, 0.469, 0.485 at 1-4 ranks; without error feedback 1.77, 1.70, 1.63, 1.80 times
+    that; never communicating 3.0, 4.5, 4.4 times that at 2-4 ranks (gradient_allreduce:
+    0.27; a replica that never communicates cannot classify the other ranks' classes)."""
     n = commlib.get_world_size()
     out = train(SparseLoCo(**CONVERGE), steps=60)
     worst = out["loss"]
@@ -231,11 +259,11 @@ def test_sparseloco_converges_per_replica_and_the_controls_do_not():
     assert worst < 0.6, out["losses"]
     no_ef = train(SparseLoCo(**CONVERGE, error_decay=0.0), steps=60)
     print(f"  without error feedback {no_ef['losses']}")
-    assert no_ef["loss"] > worst * 1.3, (no_ef["losses"], worst)
+    assert no_ef["loss"] > worst * 1.4, (no_ef["losses"], worst)
     if n > 1:
         alone = train(LocalSparseLoCo(**CONVERGE), steps=60)
         print(f"  never communicating {alone['losses']}")
-        assert alone["loss"] > worst * 1.5, (alone["losses"], worst)
+        assert alone["loss"] > worst * 2, (alone["losses"], worst)
 
 
 # -- resume, half precision, non-finite, arguments ---------------------------------------

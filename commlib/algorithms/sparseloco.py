@@ -52,7 +52,7 @@ sum_b M_b`` at n ranks. With C | n_t and the defaults (C = 4096, density 1/64, b
 64 * (12 + 2) / 8 + 8 = 120 bytes per 4096 elements, 1/136.5 of the float32 weights;
 against DiLoCo's float32 allreduce (``2 (n - 1) / n * 4`` bus bytes per element) that is
 ``n / 273`` of its bus bytes: 1/136 at 2 ranks, 1/68 at 4; an allgather grows with the
-number of ranks (so does the paper's), the ratio passes 1/30 at n = 10.
+number of ranks (so does the paper's): it exceeds 1/30 from n = 10 on.
 
 **Where this differs from the published code** (the reference read here is the CCLoco
 code of the same authors, github tplr-y/CCLoco ``src/tplr/ccloco.py``, from which
