@@ -55,9 +55,10 @@ against DiLoCo's float32 allreduce (``2 (n - 1) / n * 4`` bus bytes per element)
 number of ranks (so does the paper's): it exceeds 1/30 from n = 10 on.
 
 **Where this differs from the published code** (the reference read here is the CCLoco
-code of the same authors, github tplr-y/CCLoco ``src/tplr/ccloco.py``, from which
-SparseLoCo's ``src/tplr/sparseloco.py`` keeps the ``ChunkingTransform`` and
-``TopKCompressor``; the SparseLoCo repository itself could not be fetched here):
+code of the same group, github tplr-y/CCLoco ``src/tplr/ccloco.py``, whose
+``ChunkingTransform`` and ``TopKCompressor`` SparseLoCo's ``src/tplr/sparseloco.py`` has
+too, by that repository's public description; the SparseLoCo repository itself could
+not be fetched here):
 
 * chunks: the code tiles a 2-D tensor into blocks of (largest divisor of the rows <= 64)
   x (largest divisor of the columns <= 64) and a 1-D tensor into runs of the largest
@@ -83,9 +84,10 @@ SparseLoCo's ``src/tplr/sparseloco.py`` keeps the ``ChunkingTransform`` and
   the same at the paper's ``alpha = 1``.
 * ties in top-k: ``torch.topk`` leaves them unspecified; here the lower index wins.
 
-Defaults, as the paper and its sweep configurations: H = 15, density 1/64 (64 of a
-4096-element chunk, 1.56%; the paper: 1-3%), chunk_size 4096 (the code's 64 x 64),
-value_bits 2, error_decay 0.95, outer_lr 1.
+Defaults, from the paper (1-3% density, 2 bits, H = 15) and the CCLoco sweep
+configurations (error decay 0.95, outer lr 1, 64 x 64 chunks, 15 inner steps): H = 15,
+density 1/64 (64 of a 4096-element chunk, 1.56%), chunk_size 4096, value_bits 2,
+error_decay 0.95, outer_lr 1.
 
 State (:meth:`state_dict`): the global weights (the same on every rank) and this rank's
 error-feedback buffers (``per_rank_state``); resumed bit-exact. Global weights and error
