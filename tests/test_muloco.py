@@ -405,6 +405,31 @@ def test_half_precision_weights_keep_float32_state():
         assert not same_everywhere(list(apart["ddp"].module.parameters()))
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression", ["int2", "int8"])
+def test_non_finite_weights_raise_on_every_rank_and_change_nothing(compression):
+    """NaN in the last rank's weights after iteration 5 (H = 2, accumulators set by the
+    outer steps after 2 and 4): the outer step after 6 raises NonFiniteError naming that
+    rank on every rank; global weights, outer momentum and accumulators stay as before."""
+    from commlib.errors import NonFiniteError
+    n, rank = commlib.get_world_size(), commlib.get_rank()
+    algo = MuLoCo(sync_every=2, compression=compression)
+    before = {}
+
+    def on_step(step, ddp):
+        if step == 4:
+            before.update(ddp.algorithm.state_dict()["state"])
+            if rank == n - 1:
+                with torch.no_grad():
+                    next(ddp.module.parameters())[0, 0] = float("nan")
+
+    with pytest.raises(NonFiniteError, match=rf"rank\(s\) \[{n - 1}\]"):
+        train(algo, steps=8, on_step=on_step)
+    after = algo.state_dict()["state"]
+    assert all(r is not None for r in before["residual"])
+    assert same(after, before)
+
+
 def test_inner_optimizer_is_muon_for_matrices_and_adamw_for_the_rest():
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 16),
