@@ -303,28 +303,31 @@ def train_demo(cls=DeMo, chunk=64, topk=32, decay=0.99, lr=0.06) -> dict:
         lambda ddp: torch.optim.SGD(param_groups(ddp.module), lr=lr), holder))
 
 
-CONVERGED = 0.5    # every replica's whole-set loss
+CONVERGED = 0.6    # every replica's whole-set loss (measured 0.25-0.45 at 1-4 ranks)
 
 
 @pytest.mark.mpi
 def test_demo_converges_per_replica_and_rejects_broken_variants():
+    """DeMo(64, 32, decay 0.99), SGD with a linearly decaying learning rate, 60 steps:
+    every replica below :data:`CONVERGED`; the controls (no error feedback; with peers, no
+    exchange: each rank decodes its own coefficients) fail that check with a margin: their
+    worst replica above 1.5 times it (measured at 1-4 ranks: DeMo 0.25-0.45; no error
+    feedback 2.7-4.9; no exchange 1.07-1.71)."""
     n = commlib.get_world_size()
     out = train_demo()
-    sync = train("gradient_allreduce", steps=STEPS, optimizer=decaying(
-        lambda ddp: torch.optim.Adam(param_groups(ddp.module), lr=0.08), {}))
     worst = max(out["losses"])
     no_ef = train_demo(NoErrorFeedback)
-    lines = [f"demo: replicas {np.round(out['losses'], 4).tolist()}, synchronous (Adam) "
-             f"{sync['loss']:.4f} ({worst / sync['loss']:.2f}x); no error feedback "
-             f"{min(no_ef['losses']):.4f}"]
-    assert len(set(out["losses"])) == 1, out["losses"]          # bitwise equal replicas
-    assert worst <= CONVERGED, lines
-    assert min(no_ef["losses"]) > 2 * CONVERGED, lines
+    lines = [f"demo: replicas {np.round(out['losses'], 4).tolist()}; no error feedback "
+             f"{np.round(no_ef['losses'], 4).tolist()}"]
     if n > 1:
         alone = train_demo(NeverCommunicates)
-        lines.append(f"never communicates: worst replica {max(alone['losses']):.4f}")
-        assert max(alone["losses"]) > 2 * CONVERGED, lines
+        lines.append(f"never communicates: {np.round(alone['losses'], 4).tolist()}")
     print("; ".join(lines))
+    assert len(set(out["losses"])) == 1, out["losses"]          # bitwise equal replicas
+    assert worst <= CONVERGED, lines
+    assert max(no_ef["losses"]) > 1.5 * CONVERGED, lines
+    if n > 1:
+        assert max(alone["losses"]) > 1.5 * CONVERGED, lines
 
 
 # -- non-finite gradients and AMP --------------------------------------------------------
