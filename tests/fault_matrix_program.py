@@ -68,6 +68,10 @@ KWARGS = {
     "streaming_diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1,
                          "quantize": "int4"},         # an exchange in flight at step 12
     "powersgd": {"rank": 2, "start_iter": 4},         # compressed from step 4
+    # outer steps (allgathers of top-k messages) at 4, 8, 12 (the fault's)
+    "sparseloco": {"sync_every": 4, "density": 0.1, "chunk_size": 256},
+    "muloco": {"sync_every": 4},                      # int2 messages at 4, 8, 12
+    "demo": {"chunk_size": 16, "topk": 4},            # top-k DCT coefficients every step
 }
 BUCKET_CAP_MB = 0.01  # ~10 KB: the 44 KB model spans 6 buckets
 
@@ -89,6 +93,8 @@ def optimizer(algorithm: str, params) -> torch.optim.Optimizer:
     if algorithm == "qadam":
         from commlib.algorithms.qadam import QAdamOptimizer
         return QAdamOptimizer(params, lr=0.01)
+    if algorithm == "demo":  # DeMo's update is sign(...): plain SGD, a small step
+        return torch.optim.SGD(params, lr=0.005)
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 

@@ -18,7 +18,7 @@ _registry: dict[str, type] = {}
 _entry_points_loaded = False
 _BUILTINS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
              "qadam", "local_sgd", "async_model_average", "d_kfac", "dp_kfac", "diloco",
-             "streaming_diloco", "powersgd")
+             "streaming_diloco", "powersgd", "sparseloco", "demo", "muloco")
 
 T = TypeVar("T", bound=type)
 

@@ -31,6 +31,12 @@ UNSUPPORTED = {
     "diloco": "its outer step is not yet committed and restored (the partial round would "
               "have to be discarded at the last outer step, as local_sgd does)",
     "streaming_diloco": "its fragments' outer steps are not yet committed and restored",
+    "sparseloco": "its error-feedback buffers are per rank and its outer step is not yet "
+                  "committed and restored",
+    "muloco": "its error-feedback accumulators are per rank and its outer step is not yet "
+              "committed and restored",
+    "demo": "its momentum buffers (with what each rank has not sent yet) are per rank and "
+            "not yet committed and restored",
 }
 #: Test hook: recover without the survivors' step agreement (each rank goes on from its own
 #: last commit). Wrong on purpose, for the negative control of the tests.
@@ -83,7 +89,8 @@ class State:
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
     Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`): ``qadam``,
     ``low_precision_decentralized``, ``async_model_average``, ``d_kfac``, ``dp_kfac``,
-    ``powersgd``, ``diloco``, ``streaming_diloco``; and
+    ``powersgd``, ``diloco``, ``streaming_diloco``, ``sparseloco``, ``muloco``, ``demo``;
+    and
     ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
     """
 
