@@ -29,6 +29,35 @@ def powersgd_elements(module: Any, rank: int, min_rate: float = 2.0) -> int:
     return sent
 
 
+def message_bytes(algorithm: str, module: Any, kwargs: dict[str, Any]) -> int | None:
+    """One rank's message per exchange of a gathered algorithm (sparseloco, muloco with
+    int2, demo) for ``module``'s parameters, from the algorithm's own layout functions
+    (per tensor: sparseloco's byte rounding per bucket is not reproduced); None for the
+    others (the cost model's closed forms then)."""
+    import inspect
+    params = [p for p in module.parameters() if p.requires_grad]
+    if algorithm == "sparseloco":
+        from commlib.algorithms.sparseloco import SparseLoCo, layout
+        a = {k: v.default for k, v in inspect.signature(SparseLoCo).parameters.items()}
+        a.update(kwargs)
+        return sum(layout([p.numel()], a["chunk_size"], a["density"], a["value_bits"]).nbytes
+                   for p in params)
+    if algorithm == "muloco":
+        from commlib.algorithms.muloco import MuLoCo
+        a = {k: v.default for k, v in inspect.signature(MuLoCo).parameters.items()}
+        a.update(kwargs)
+        if a["compression"] != "int2":
+            return None
+        return sum(20 + math.ceil(p.numel() / 4) for p in params)   # muloco's int2 message
+    if algorithm == "demo":
+        from commlib.algorithms.demo import DeMo, bytes_per_step
+        a = {k: v.default for k, v in inspect.signature(DeMo).parameters.items()}
+        a.update(kwargs)
+        return bytes_per_step([p.shape for p in params], a["chunk_size"], a["topk"],
+                              params[0].element_size())
+    return None
+
+
 def _torch_powersgd_hook(rank: int, start_iter: int) -> tuple[Any, Any]:
     """torch's PowerSGD state and hook; the hook waits for each bucket's future (torch's
     hook issues its P and Q allreduces from gloo's callback thread, and with several
@@ -201,6 +230,11 @@ def _optimizer(opt_kind: str, args: argparse.Namespace, model: Any, data: "Data"
     if opt_kind == "qadam":
         from commlib.algorithms.qadam import QAdamOptimizer
         return QAdamOptimizer(model.parameters(), lr=base)
+    if opt_kind == "muon":
+        from commlib.algorithms.muloco import muloco_inner_optimizer
+        return muloco_inner_optimizer(model, adamw_lr=base, weight_decay=0.0)
+    if opt_kind == "sign":
+        return torch.optim.SGD(model.parameters(), lr=base, momentum=0.0)
     if data.gpt:
         return torch.optim.AdamW(model.parameters(), lr=base, weight_decay=0.0)
     return torch.optim.SGD(model.parameters(), lr=base, momentum=0.9)
@@ -251,6 +285,7 @@ def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
     design = None
     if name in ("powersgd", PEER_PSGD):
         design = powersgd_elements(module, kwargs["rank"]) / params
+    message = message_bytes(algorithm, module, kwargs) if algorithm else None
     evaluate = lambda: data.score(module)  # noqa: E731
 
     # async_model_average averages on a timer in the background: stopped at every
@@ -326,6 +361,7 @@ def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
             "bytes_per_sample": last["bytes_rank0"] / last["samples_rank0"],
             "bus_bytes_per_sample": last["bus_bytes_rank0"] / last["samples_rank0"],
             "bytes_counted": name not in PEERS, "design_bus_ratio": design,
+            "message_ratio": None if message is None else message / (4 * params),
             "metric": "val_loss" if data.gpt else "accuracy",
             "final_acc_worst": last["acc_worst"], "final_acc_mean": last["acc_mean"],
             "curve": curve}

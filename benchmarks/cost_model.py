@@ -45,6 +45,14 @@ a phase is the bytes its busiest node link carries in one direction):
   ``design_bus_ratio``); three allreduces in sequence (vectors, P, Q: the two extra ones
   add their latencies, ``2 log2(N)`` alphas each), P and Q carrying half each; a full
   allreduce during its ``start_iter`` warm-up.
+* ``sparseloco`` (H = ``sync_every``, 15), ``muloco`` (H = 30, int2) and ``demo`` (every
+  step): one allgather of each rank's compressed message ``M = rho S`` per exchange
+  (``log2 N`` latencies; each node link carries ``R (N-R) M``, the node ``(R-1) M``);
+  ``rho`` = 1/136.5 (sparseloco: 64 of 4096 values per chunk, 12-bit index, 2-bit code,
+  8 bytes of scales), 1/16 (muloco's int2), ``k (4 + w) / 4 s^2`` (demo, ASSUMING ``s x s``
+  chunks of matrices; 1/85.3 with s = 64, k = 32), or a run's exact ``message_ratio``.
+  Bus bytes against a synchronous allreduce: ``N rho / 2`` per exchange, so they grow with
+  N (an allgather), unlike every other row. No overlap with compute.
 * ``async_model_average``: the averaging runs beside training; ``0`` on the step (with
   ``sync_every_steps=k``: ``allreduce(S) / k`` of bytes, hidden behind the next step).
 * torch DDP over gloo: gloo's ring, ``2 (N-1)`` latencies and ``2 (N-1)/N * S`` on the

@@ -52,7 +52,8 @@ def contender_args(panels: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for panel in panels.values():
         for name, row in panel["runs"][0]["contenders"].items():
             out.setdefault(name, {"kwargs": row.get("kwargs") or {},
-                                  "psgd_ratio": row.get("design_bus_ratio")})
+                                  "psgd_ratio": row.get("design_bus_ratio"),
+                                  "msg_ratio": row.get("message_ratio")})
     return out
 
 
@@ -73,12 +74,14 @@ def predict(ratios: dict[str, float | None], scale: dict[str, Any] | None = None
                 a = args.get(name, {})
                 psgd = a.get("psgd_ratio") or scale.get("powersgd_ratio")
                 comm = comm_time(name, c, s, SCALE["qadam_warm_fraction"], compress,
-                                 kwargs=a.get("kwargs"), psgd_ratio=psgd, compute_s=compute)
+                                 kwargs=a.get("kwargs"), psgd_ratio=psgd, compute_s=compute,
+                                 msg_ratio=a.get("msg_ratio"))
                 step = compute + comm
                 if name in OVERLAPPED:   # exchanged while backward runs: half hides
                     step = compute + max(0.0, comm - 0.5 * compute)
                 ratio = ratios.get(name.replace("_hier", "") if name in SCALE_ONLY else name)
-                b = bytes_ratio(name.replace("_hier", ""), a.get("kwargs"), psgd)
+                b = bytes_ratio(name.replace("_hier", ""), a.get("kwargs"), psgd, ranks=n,
+                                msg_ratio=a.get("msg_ratio"))
                 rows.append({"inter_gbit": gbit, "ranks": n, "contender": name,
                              "comm_s": comm, "step_s": step, "steps_ratio": ratio,
                              "bytes_per_step": None if b is None else b[0] * s,

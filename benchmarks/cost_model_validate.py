@@ -52,7 +52,8 @@ def row_comm(name: str, c: Cluster, s: float, row: dict[str, Any],
     """``comm_time`` with a run's contender row: its arguments, warm-up, PowerSGD ratio;
     ``compute_s`` per step hides the exchanges that overlap the next steps."""
     return comm_time(name, c, s, warm_fraction(row), kwargs=row.get("kwargs"),
-                     psgd_ratio=row.get("design_bus_ratio"), compute_s=compute_s)
+                     psgd_ratio=row.get("design_bus_ratio"), compute_s=compute_s,
+                     msg_ratio=row.get("message_ratio"))
 
 
 def compute_of(means: dict[str, float]) -> float:
@@ -72,7 +73,9 @@ def validate_bytes(panels: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         for name in names:
             row = runs[0]["contenders"][name]
-            model = bytes_ratio(name, row.get("kwargs"), row.get("design_bus_ratio"))
+            model = bytes_ratio(name, row.get("kwargs"), row.get("design_bus_ratio"),
+                                ranks=panel["nodes"] * panel["ranks_per_node"],
+                                msg_ratio=row.get("message_ratio"))
             if model is None or name == SYNC or not row.get("bytes_counted", True):
                 continue
             warm = (row.get("kwargs") or {}).get("warmup_steps")

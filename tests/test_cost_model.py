@@ -73,3 +73,41 @@ def test_gpt_recommendation(tmp_path, capsys):
     for r in streaming:  # peak per step: 1/F of DiLoCo's, times the int4 wire factor
         d = diloco[(r["inter_gbit"], r["ranks"])]
         assert r["peak_bytes_per_step"] == pytest.approx(d["peak_bytes_per_step"] * CM.WIRE["int4"] / 2)
+
+
+def test_gathered_algorithms_message_ratio_matches_their_layouts():
+    """The cost model's closed forms of sparseloco, muloco (int2) and demo against the
+    algorithms' own layout code on shapes the closed forms assume (C | numel; s x s
+    chunks), the bench worker's exact figure on a real model, and the allgather's bus
+    ratio; negative control: sparseloco's message modelled with 4-bit codes is rejected."""
+    import torch
+    from bench_time_to_accuracy_worker import message_bytes
+    from cost_model_formulas import DEFAULTS, bytes_ratio, gathered_ratio, message_ratio
+    from commlib.algorithms.demo import bytes_per_step
+    from commlib.algorithms.sparseloco import layout
+
+    a = dict(DEFAULTS["sparseloco"])
+    numel = 4096 * 37
+    exact = layout([numel], a["chunk_size"], a["density"], a["value_bits"]).nbytes
+    assert message_ratio("sparseloco", a) * 4 * numel == pytest.approx(exact, rel=1e-12)
+    wrong = message_ratio("sparseloco", {**a, "value_bits": 4}) * 4 * numel
+    assert abs(wrong / exact - 1) > 0.05
+    d = dict(DEFAULTS["demo"])
+    shapes = [(64 * 5, 64 * 3), (128, 64 * 7)]
+    exact = bytes_per_step(shapes, d["chunk_size"], d["topk"], 4)
+    assert message_ratio("demo", d) * 4 * sum(r * c for r, c in shapes) == \
+        pytest.approx(exact, rel=1e-12)
+    m = DEFAULTS["muloco"]
+    assert message_ratio("muloco", m) == 1 / 16
+    # the worker's exact figure on a real model: within 3% of the closed forms
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024, bias=False),
+                                torch.nn.Linear(1024, 256, bias=False))
+    params = sum(p.numel() for p in model.parameters())
+    for name, kw in (("sparseloco", {}), ("muloco", {}), ("demo", {})):
+        got = message_bytes(name, model, kw) / (4 * params)
+        assert got == pytest.approx(message_ratio(name, DEFAULTS[name]), rel=0.03), name
+    # bus bytes of an allgather against an allreduce's: n M / 2 S, per exchange interval
+    assert gathered_ratio("sparseloco", a, 4) == pytest.approx(
+        (4 * message_ratio("sparseloco", a) / 2 / 15, 4 * message_ratio("sparseloco", a) / 2))
+    assert bytes_ratio("demo", None) is None and bytes_ratio("demo", None, ranks=2)[0] == \
+        pytest.approx(message_ratio("demo", d))
