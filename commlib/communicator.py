@@ -77,6 +77,10 @@ class Communicator:
         self._node_bcast: Communicator | None = None
         self.gate = Gate()
         self.abandoned: list[Any] = []  # operations given up on (see abandon)
+        #: Called (no arguments, collective like free itself) by :meth:`free` before the
+        #: MPI communicators are freed: what a layer above made on this communicator (the
+        #: shared-memory window of commlib.primitives.node_shm).
+        self.on_free: list[Any] = []
 
     # -- bookkeeping around blocking calls -------------------------------------------------
     def next_seq(self) -> int:
@@ -221,6 +225,9 @@ class Communicator:
         crashes (SIGSEGV in its next call) when a communicator is freed under a pending
         nonblocking collective, where the MPI standard says the free is deferred (MPICH
         does so); see :mod:`commlib.mpi_impl`."""
+        release, self.on_free = self.on_free, []
+        for step in release:
+            step()
         comms = [self.mpi, self._check_comm]
         if self._node is not None:
             comms += [c.mpi for c in self._node if c is not None]

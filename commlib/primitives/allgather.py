@@ -8,6 +8,7 @@ import numpy as np
 from .. import accounting
 from ..buffers import Buf, adapt, output
 from ..errors import CommError, where
+from . import node_shm
 from ._base import after, blocking, out_of_place, resolve
 from .work import Work
 
@@ -28,6 +29,8 @@ def allgather(tensor: Any, group: Any = None, async_op: bool = False, out: Any =
     if comm.checking:
         comm.verify("allgather", {"shape": buf.shape, "dtype": buf.dt.name})
     out = output(buf, (comm.size,) + buf.shape, "allgather", rank, out)
+    if not async_op and node_shm.use(comm, buf, "allgather"):  # one node: shared memory
+        return node_shm.allgather(comm, buf, out)
     accounting.record("allgather", buf.nbytes, comm.size)
     send = buf.msg()
     recv = [out.mem, buf.count, buf.dt.mpi]

@@ -9,6 +9,7 @@ from .. import accounting
 from ..buffers import Buf, adapt
 from ..communicator import Communicator
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
+from . import node_shm
 from ._base import blocking, finish_reduce, resolve
 from .work import Release, Reserve, Turn, Work
 
@@ -42,6 +43,8 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     if hierarchical and comm.size > 1:
         work = Work(comm, "allreduce", buf, _hierarchical(comm, buf, op, mop, tensor))
         return work if async_op else work.wait()
+    if not async_op and node_shm.use(comm, buf, "allreduce"):  # one node: shared memory
+        return node_shm.allreduce(comm, buf, op, tensor)
     accounting.record("allreduce", buf.nbytes, comm.size)
     if async_op:
         return Work(comm, "allreduce", buf, _flat_async(comm, buf, op, mop, tensor))

@@ -5,6 +5,7 @@ from typing import Any
 
 from .. import accounting
 from ..buffers import adapt
+from . import node_shm
 from ._base import after, blocking, resolve
 from .work import Work
 
@@ -23,6 +24,8 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
     comm.seq += 1
     if comm.checking:
         comm.verify("broadcast", {"shape": buf.shape, "dtype": buf.dt.name, "src": src})
+    if not async_op and node_shm.use(comm, buf, "broadcast"):  # one node: shared memory
+        return node_shm.broadcast(comm, buf, src, tensor)
     accounting.record("broadcast", buf.nbytes, comm.size)
     if async_op:
         request = comm.mpi.Ibcast(buf.msg(), src)

@@ -12,6 +12,7 @@ from typing import Any
 from .. import accounting
 from ..buffers import Buf, adapt, output
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
+from . import node_shm
 from ._base import blocking, finish_reduce, resolve
 from .work import Work
 
@@ -54,6 +55,8 @@ def reduce_scatter(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
         comm.verify("reduce_scatter", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name})
     counts = _block_sizes(buf.count, comm.size)
     out = output(buf, (counts[rank],), "reduce_scatter", rank, out)
+    if not async_op and node_shm.use(comm, buf, "reduce_scatter"):  # one node: shared memory
+        return node_shm.reduce_scatter(comm, buf, out, op, counts)
     accounting.record("reduce_scatter", buf.nbytes, comm.size)
     if async_op:
         stages = _async(comm.mpi.Ireduce_scatter, buf, out, counts, mop, op, comm.size)

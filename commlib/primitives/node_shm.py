@@ -1,0 +1,413 @@
+"""Collectives through shared memory among the ranks of one node (the shared-memory tier).
+
+The ranks of a communicator that share a machine (``MPI_Comm_split_type(SHARED)``; with
+``COMMLIB_LOCAL_SIZE``, the ranks of one emulated node, when they share memory too) map
+one MPI-3 shared-memory window (``MPI_Win_allocate_shared``, which MPICH, Open MPI and
+Intel MPI all offer): every rank owns a *segment* of ``2 x SEGMENT_BYTES`` bytes in it, two
+halves used by alternate steps, and reads its peers' segments straight from their memory.
+No byte goes through MPI's eager cells; MPI only synchronizes (a barrier on the window's
+communicator, with ``MPI_Win_sync`` on both sides so that the stores before it are seen
+after it on every memory model).
+
+One *step* moves at most ``SEGMENT_BYTES`` bytes of a rank's buffer:
+
+* **allreduce**: each rank copies its chunk into its segment; barrier; rank ``r`` reduces
+  its slice ``[m*r//n, m*(r+1)//n)`` of the chunk from every rank's segment, **in rank
+  order** (``((x_0 op x_1) op x_2) ... op x_{n-1}``, the same order on every rank and for
+  every element, whichever rank reduces it), writing the result into rank 0's segment (the
+  slices are disjoint, and only rank ``r`` reads slice ``r`` before the next barrier);
+  barrier; every rank copies the whole reduced chunk out of rank 0's segment. Every rank
+  ends with the same bytes.
+* **reduce_scatter**: each rank copies, for every rank ``k``, the step's piece of block
+  ``k`` into its segment; barrier; each rank reduces its own block's piece from every
+  segment, in rank order, straight into its result buffer.
+* **allgather**: each rank copies its chunk into its segment; barrier; each rank copies
+  every segment's chunk into its row of the result.
+* **broadcast**: the source copies its chunk into its segment; barrier; the others copy it.
+
+Consecutive steps use alternate halves, so one barrier per step separates a rank's reads
+of half ``h`` at step ``t`` from its owner's next write into it at step ``t + 2`` (the
+owner passes the barrier of step ``t + 1`` only after every rank finished step ``t``); the
+step counter runs on across operations, so this holds between them too.
+
+Reductions: numpy ufuncs on the host views (SUM/AVG ``add``, PRODUCT ``multiply``,
+MIN/MAX ``minimum``/``maximum``, the bitwise ops; on bool SUM/MAX/BOR are logical OR,
+MIN/PRODUCT/BAND logical AND, BXOR logical XOR, as on the MPI path). Integer results are
+exactly the MPI path's (wrapping like it); floating-point results are the rank-order sum,
+which may differ from MPI's order by reassociation only. ``bfloat16`` and ``float16`` are
+widened to float32, combined in rank order in float32 and rounded to 16 bits (nearest
+even) once at the end, where the MPI path rounds after each pair (equal at 2 ranks). AVG
+is the SUM divided by the group size afterwards, as on the MPI path.
+
+When it is used (:func:`use`, called by :func:`commlib.allreduce`,
+:func:`commlib.reduce_scatter`, :func:`commlib.allgather` and :func:`commlib.broadcast`):
+a blocking call (``async_op=True`` stays on MPI), on host memory (numpy arrays, CPU torch
+tensors, and the host staging of GPU buffers), when every rank of the communicator is on
+one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer has at least
+:data:`MIN_BYTES` of that operation (measured crossover, see ``benchmarks/README.md``);
+``COMMLIB_SHM=1`` takes it at any size, ``COMMLIB_SHM=0`` never. The decision depends only
+on what every rank passes alike (size, dtype, kind of memory), so every rank takes the same
+path; ``COMMLIB_SHM`` must be set alike on every rank.
+
+The window is made collectively on first use, per communicator, and freed by
+:meth:`Communicator.free`; ranks that finish normally leave the rest to ``MPI_Finalize``.
+MPICH unlinks the window's ``/dev/shm`` file once every rank has mapped it (Open MPI and
+Intel MPI likewise), so nothing is left there after a killed job.
+
+Fault-tolerant mode (``COMMLIB_FAULT_TOLERANT=1``): the window's communicator is a
+fault-tolerant one, so each barrier is an ``MPI_Ibarrier`` waited on with failure
+detection; a peer that dies mid-collective makes every survivor's next barrier raise
+:class:`~commlib.errors.PeerFailure` (no rank ever spins on a flag in memory). A dead
+peer's segment stays mapped (the kernel keeps the memory while any rank maps it), so the
+survivors' reads never fault; the window of a failed communicator is never freed
+(``MPI_Win_free`` is collective), like its communicators.
+"""
+from __future__ import annotations
+
+import weakref
+from time import perf_counter, sleep
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import accounting
+from ..buffers import Buf
+from ..communicator import Communicator
+from ..dtypes import DType, f32_to_bf16
+from ..errors import CommError, where
+from ..options import options
+from ..reduce_ops import ReduceOp
+from ._base import finish_reduce
+
+#: Bytes of one half of a rank's segment: the most one step moves per rank (the window
+#: holds 2 x this per rank). 1 MiB: at 2 ranks the step's working set stays in the L2/L3
+#: caches (measured: 256 KiB-4 MiB within 10% at 64 MiB; see benchmarks/README.md).
+SEGMENT_BYTES = 1 << 20
+#: With ``COMMLIB_SHM=auto``: the smallest buffer (bytes, per rank) each operation takes
+#: through shared memory; below, MPI's own shared-memory path is as fast or faster
+#: (measured at 2 ranks, MPICH, Open MPI and Intel MPI: benchmarks/README.md).
+MIN_BYTES = {"allreduce": 16 << 10, "reduce_scatter": 16 << 10, "allgather": 16 << 10,
+             "broadcast": 16 << 10}
+#: Calls completed through shared memory, per operation, in this process (tests and
+#: benchmarks read it to know which path ran).
+COUNTS = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0, "broadcast": 0}
+
+
+class NodeWindow:
+    """The shared-memory window of the ranks of one communicator's node.
+
+    ``whole``: every rank of the communicator is in it (the flat collectives may use it).
+    ``comm``: the window's communicator (the node's ranks, in the communicator's order;
+    fault-tolerant when the mode is on). ``segments[k]``: rank ``k``'s segment as bytes,
+    two halves of ``half_bytes``.
+    """
+
+    def __init__(self, comm: Any, win: Any, segments: list[np.ndarray], whole: bool,
+                 poll_s: float, half_bytes: int) -> None:
+        self.comm = comm
+        self.half_bytes = half_bytes  # SEGMENT_BYTES when the window was made
+        self.win = win
+        self.segments = segments
+        self.whole = whole
+        self.poll_s = poll_s
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.step = 0
+        self.freed = False
+
+    def half(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Every rank's view of ``count`` elements of ``dtype`` in the next step's half."""
+        h = self.step & 1
+        self.step += 1
+        lo = h * self.half_bytes
+        hi = lo + count * dtype.itemsize
+        return [seg[lo:hi].view(dtype) for seg in self.segments]
+
+    def sync(self) -> None:
+        """Barrier over the node, with the window's memory synchronized on both sides."""
+        win = self.win
+        win.Sync()
+        if self.poll_s:
+            req = self.comm.Ibarrier()
+            while not req.Test():
+                sleep(self.poll_s)
+        else:
+            self.comm.Barrier()
+        win.Sync()
+
+    def free(self) -> None:
+        """Collective over the node: free the window and its communicator (kept when the
+        communicator has failed, fault-tolerant mode)."""
+        if self.freed:
+            return
+        self.freed = True
+        if getattr(self.comm, "failed", False):
+            return
+        self.segments = []
+        self.win.Unlock_all()
+        self.win.Free()
+        self.comm.Free()
+
+
+_WINDOWS: "weakref.WeakKeyDictionary[Communicator, NodeWindow | None]" = \
+    weakref.WeakKeyDictionary()
+
+
+def window(comm: Communicator) -> NodeWindow | None:
+    """``comm``'s node window, made on first use (collective over ``comm``: every rank
+    calls it the first time together); None when this rank's node has one rank or its
+    ranks cannot share memory. The answer of ``.whole`` is the same on every rank."""
+    try:
+        return _WINDOWS[comm]
+    except KeyError:
+        pass
+    local, _ = comm.node()
+    nw = _make(comm, local)
+    _WINDOWS[comm] = nw
+    if nw is not None:
+        comm.on_free.append(nw.free)
+    return nw
+
+
+def _make(comm: Communicator, local: Communicator) -> NodeWindow | None:
+    whole = local.size == comm.size
+    # node() may be emulated (COMMLIB_LOCAL_SIZE): its ranks share memory only if one
+    # shared-memory split of it keeps them all together; every rank of the communicator
+    # learns whether every node can (the flat path's decision must be the same on all).
+    shared = local.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=local.rank)
+    ok = shared != MPI.COMM_NULL and shared.Get_size() == local.size and local.size > 1
+    everyone = comm.mpi.allgather(bool(ok))
+    whole = whole and all(everyone)
+    if not ok:
+        if shared != MPI.COMM_NULL:
+            shared.Free()
+        return None
+    half = SEGMENT_BYTES
+    info = MPI.Info.Create()
+    info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's pages
+    try:
+        if options.fault_tolerant:
+            from ..fault_tolerance import in_thread
+            win = in_thread(shared, "Win_allocate_shared", MPI.Win.Allocate_shared,
+                            2 * half, 1, info, shared)
+        else:
+            win = MPI.Win.Allocate_shared(2 * half, 1, info, shared)
+    finally:
+        info.Free()
+    win.Lock_all(MPI.MODE_NOCHECK)
+    segments = []
+    for k in range(shared.Get_size()):
+        mem, _ = win.Shared_query(k)
+        segments.append(np.frombuffer(mem, dtype=np.uint8, count=2 * half))
+    segments[shared.Get_rank()][:] = 0  # first touch: the pages on this rank's NUMA node
+    nw = NodeWindow(shared, win, segments, whole, comm.poll_s, half)
+    nw.sync()
+    return nw
+
+
+def use(comm: Communicator, buf: Buf, op: str) -> bool:
+    """Whether the blocking collective ``op`` on ``buf`` goes through shared memory (see
+    the module docstring); collective over ``comm`` the first time it answers after the
+    size test (it makes the window). The same answer on every rank."""
+    setting = options.shm
+    if setting == "0" or comm.size < 2 or buf.mem.__class__ is not np.ndarray:
+        return False
+    if setting == "auto" and buf.count * buf.dt.itemsize < MIN_BYTES[op]:
+        return False
+    nw = window(comm)
+    return nw is not None and nw.whole
+
+
+# -- reductions ----------------------------------------------------------------------------
+
+_LOGICAL = {ReduceOp.SUM: np.logical_or, ReduceOp.MAX: np.logical_or,
+            ReduceOp.BOR: np.logical_or, ReduceOp.MIN: np.logical_and,
+            ReduceOp.PRODUCT: np.logical_and, ReduceOp.BAND: np.logical_and,
+            ReduceOp.BXOR: np.logical_xor}
+_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
+          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
+          ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}
+
+Combine = Callable[[np.ndarray, list], None]
+
+
+def combiner(op: ReduceOp, dt: DType) -> Combine:
+    """``combine(dst, srcs)``: ``dst[...] = srcs[0] op srcs[1] op ... op srcs[-1]``, left
+    to right (rank order); ``dst`` may be ``srcs[0]`` itself, no other source. ``op`` must
+    be valid for ``dt`` (``commlib.reduce_ops.mpi_op`` checked it)."""
+    ufunc = _LOGICAL[op] if dt.kind == "b" else _UFUNC[op]
+    if dt.name in ("bfloat16", "float16"):
+        return _half_combiner(ufunc, dt.name == "bfloat16")
+
+    def combine(dst: np.ndarray, srcs: list) -> None:
+        if len(srcs) == 1:
+            if dst is not srcs[0]:
+                np.copyto(dst, srcs[0])
+            return
+        ufunc(srcs[0], srcs[1], out=dst)
+        for src in srcs[2:]:
+            ufunc(dst, src, out=dst)
+
+    return combine
+
+
+def _half_combiner(ufunc: Any, bf16: bool) -> Combine:
+    def widen(words: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if bf16:
+            wide = out.view(np.uint32)
+            np.copyto(wide, words)
+            np.left_shift(wide, 16, out=wide)
+        else:
+            np.copyto(out, words.view(np.float16))
+        return out
+
+    def combine(dst: np.ndarray, srcs: list) -> None:
+        acc = widen(srcs[0], np.empty(dst.size, np.float32))
+        tmp = np.empty(dst.size, np.float32)
+        for src in srcs[1:]:
+            ufunc(acc, widen(src, tmp), out=acc)
+        if bf16:
+            dst[...] = f32_to_bf16(acc)
+        else:
+            dst.view(np.float16)[...] = acc
+
+    return combine
+
+
+# -- the collectives -----------------------------------------------------------------------
+
+class _Timed:
+    """The watchdog's deadline and the op's time and timeline event around one call."""
+    __slots__ = ("comm", "op", "what", "t0")
+
+    def __init__(self, comm: Communicator, op: str, what: Any) -> None:
+        self.comm, self.op, self.what = comm, op, what
+
+    def __enter__(self) -> None:
+        self.comm.arm(self.op, self.what)
+        self.t0 = perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        t1 = perf_counter()
+        self.comm.disarm()
+        accounting.timed(self.op, self.t0, t1, self.comm, self.what, self.comm.seq)
+
+
+def _node(comm: Communicator, op: str) -> NodeWindow:
+    nw = _WINDOWS.get(comm)
+    if nw is None or not nw.whole:
+        raise CommError(f"{where(op, comm.rank)}: the shared-memory path needs every rank "
+                        f"of {comm.describe()} on one node (commlib.primitives.node_shm.use "
+                        f"answers whether it is)")
+    return nw
+
+
+def allreduce(comm: Communicator, buf: Buf, op: ReduceOp, result: Any) -> Any:
+    """Blocking allreduce of ``buf`` (host memory, in place) through the node's window;
+    every rank of ``comm`` on one node (:func:`use` said so). Returns ``result``. Every
+    rank ends with the same bytes: each element reduced in rank order (module docstring),
+    AVG divided by the group size after."""
+    nw = _node(comm, "allreduce")
+    accounting.record("allreduce", buf.nbytes, comm.size)
+    with _Timed(comm, "allreduce", buf):
+        reduce_all(nw, buf.mem.reshape(-1), combiner(op, buf.dt))
+    finish_reduce(buf, op, comm.size)
+    COUNTS["allreduce"] += 1
+    return result
+
+
+def reduce_all(nw: NodeWindow, x: np.ndarray, combine: Combine) -> None:
+    """Allreduce of the 1-D contiguous host array ``x`` over ``nw``'s ranks, in place (no
+    AVG division): two barriers per step of at most ``nw.half_bytes``."""
+    n, me = nw.size, nw.rank
+    per = nw.half_bytes // x.itemsize
+    total = x.size
+    for s in range(0, total, per):
+        m = min(per, total - s)
+        segs = nw.half(x.dtype, m)
+        np.copyto(segs[me], x[s:s + m])
+        nw.sync()
+        lo, hi = m * me // n, m * (me + 1) // n
+        if hi > lo:
+            combine(segs[0][lo:hi], [seg[lo:hi] for seg in segs])
+        nw.sync()
+        np.copyto(x[s:s + m], segs[0])
+
+
+def reduce_scatter(comm: Communicator, buf: Buf, out: Buf, op: ReduceOp,
+                   counts: tuple[int, ...]) -> Any:
+    """Blocking reduce_scatter through the node's window: ``out`` (this rank's block,
+    ``counts[rank]`` elements at the offset of the blocks before it) gets the rank-order
+    reduction of every rank's ``buf``. Returns ``out.obj``."""
+    nw = _node(comm, "reduce_scatter")
+    n, me = nw.size, nw.rank
+    accounting.record("reduce_scatter", buf.nbytes, comm.size)
+    combine = combiner(op, buf.dt)
+    x = buf.mem.reshape(-1)
+    y = out.mem.reshape(-1)
+    offsets = [sum(counts[:k]) for k in range(n)]
+    per = max(1, nw.half_bytes // x.itemsize // n)  # elements of each block per step
+    with _Timed(comm, "reduce_scatter", buf):
+        for s in range(0, max(counts, default=0), per):
+            segs = nw.half(x.dtype, n * per)
+            mine = segs[me]
+            for k in range(n):
+                m = min(per, counts[k] - s)
+                if m > 0:
+                    np.copyto(mine[k * per:k * per + m], x[offsets[k] + s:offsets[k] + s + m])
+            nw.sync()
+            m = min(per, counts[me] - s)
+            if m > 0:
+                combine(y[s:s + m], [seg[me * per:me * per + m] for seg in segs])
+    buf.finish()
+    finish_reduce(out, op, comm.size)
+    COUNTS["reduce_scatter"] += 1
+    return out.obj
+
+
+def allgather(comm: Communicator, buf: Buf, out: Buf) -> Any:
+    """Blocking allgather through the node's window: row ``k`` of ``out`` (``comm.size``
+    rows of ``buf``'s elements) gets rank ``k``'s ``buf``. Returns ``out.obj``."""
+    nw = _node(comm, "allgather")
+    n, me = nw.size, nw.rank
+    accounting.record("allgather", buf.nbytes, comm.size)
+    x = buf.mem.reshape(-1)
+    total = x.size
+    y = out.mem.reshape(n, total)
+    per = nw.half_bytes // x.itemsize
+    with _Timed(comm, "allgather", buf):
+        for s in range(0, total, per):
+            m = min(per, total - s)
+            segs = nw.half(x.dtype, m)
+            np.copyto(segs[me], x[s:s + m])
+            nw.sync()
+            for k in range(n):
+                np.copyto(y[k, s:s + m], segs[k])
+    buf.finish()
+    out.finish()
+    COUNTS["allgather"] += 1
+    return out.obj
+
+
+def broadcast(comm: Communicator, buf: Buf, src: int, result: Any) -> Any:
+    """Blocking broadcast of rank ``src``'s ``buf`` into every rank's ``buf`` through the
+    node's window (``src`` only reads its buffer). Returns ``result``."""
+    nw = _node(comm, "broadcast")
+    accounting.record("broadcast", buf.nbytes, comm.size)
+    x = buf.mem.reshape(-1)
+    total = x.size
+    per = nw.half_bytes // x.itemsize
+    root = nw.rank == src
+    with _Timed(comm, "broadcast", buf):
+        for s in range(0, total, per):
+            m = min(per, total - s)
+            segs = nw.half(x.dtype, m)
+            if root:
+                np.copyto(segs[src], x[s:s + m])
+            nw.sync()
+            if not root:
+                np.copyto(x[s:s + m], segs[src])
+    buf.finish()
+    COUNTS["broadcast"] += 1
+    return result

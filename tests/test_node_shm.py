@@ -1,0 +1,346 @@
+"""The shared-memory tier inside a node (``commlib.primitives.node_shm``, issue 33 §1).
+
+Multi-rank tests (``mpiexec -n N python -m pytest --with-mpi``, N in 1-4) run each
+collective through shared memory (``COMMLIB_SHM=1``) and through MPI (``COMMLIB_SHM=0``) on
+the same inputs, for every dtype and valid ReduceOp and every size class (empty, tiny,
+below one step, several steps with a ragged last one), on a group whose window has 4 KiB
+halves (so that several steps are cheap), and compare: integer and bool results exactly,
+floating-point ones within reassociation (and exactly where the inputs make every partial
+sum exact); the shared-memory result must be bitwise the same on every rank. Each call
+checks ``node_shm.COUNTS``: the shared-memory path ran exactly when asked, never with
+``COMMLIB_SHM=0`` (the negative control), never asynchronously, and with ``auto`` from the
+crossover size. The serial session kills a rank inside a shared-memory collective in
+fault-tolerant mode: the survivors must raise PeerFailure, shrink and go on through shared
+memory, nothing may hang or stay in ``/dev/shm``; with fault tolerance off the same kill
+must end the job (control).
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import ReduceOp
+from commlib.options import options
+from commlib.primitives import node_shm
+from commlib.reduce_ops import mpi_op
+from helpers import mpi_impl, serial_only
+
+torch = pytest.importorskip("torch")
+
+NUMPY_DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+                "uint64", "float16", "float32", "float64", "complex64", "complex128"]
+TORCH_DTYPES = ["bfloat16", "float16", "float32", "int64"]
+CASES = [("numpy", d) for d in NUMPY_DTYPES] + [("torch", d) for d in TORCH_DTYPES]
+HALF = 4096  # bytes of a window half in the test group
+SIZES = ["empty", "one", "tiny", "below", "steps"]
+OPS = list(ReduceOp)
+HALF_FLOATS = ("float16", "bfloat16")
+
+
+def itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
+def numel(size: str, dtype: str) -> int:
+    per = HALF // itemsize(dtype)
+    return {"empty": 0, "one": 1, "tiny": 5, "below": per // 3, "steps": 3 * per + 7}[size]
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A group over every rank whose window has 4 KiB halves (made on its first use,
+    while SEGMENT_BYTES says so), freed after the module."""
+    saved = node_shm.SEGMENT_BYTES
+    node_shm.SEGMENT_BYTES = HALF
+    g = commlib.new_group()
+    try:
+        nw = node_shm.window(g.comm) if g.size > 1 else None
+    finally:
+        node_shm.SEGMENT_BYTES = saved
+    assert g.size == 1 or (nw is not None and nw.whole and nw.half_bytes == HALF)
+    yield g
+    g.free()
+    assert nw is None or nw.freed
+
+
+@pytest.fixture
+def setting():
+    saved = options.shm
+    yield
+    options.shm = saved
+
+
+def values(rank: int, count: int, dtype: str, op: ReduceOp, seed: int) -> np.ndarray:
+    """Rank ``rank``'s input as float64/complex/int values every rank can compute.
+
+    Half floats: multiples of 1/8 in [-4, 4] (every partial sum of 4 ranks exact in 16
+    bits); PRODUCT: values in {-2, -1, 1, 2} (floats) or small ones (integers, which wrap
+    like MPI's); integers: their full range for the bitwise ops, small ones else; float32
+    and float64: uniform in [-1, 1) (reassociation shows)."""
+    rng = np.random.default_rng([seed, rank, count, len(dtype)])
+    if dtype == "bool":
+        return rng.integers(0, 2, count).astype(bool)
+    if op is ReduceOp.PRODUCT:
+        if dtype.startswith("u"):
+            return rng.integers(1, 4, count).astype(dtype)
+        return rng.choice(np.array([-2, -1, 1, 2]), count).astype(np.float64)
+    if dtype.startswith(("int", "uint")):
+        info = np.iinfo(dtype)
+        if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR, ReduceOp.MIN, ReduceOp.MAX):
+            return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+        return rng.integers(max(info.min, -100), 100, count, dtype=dtype)
+    if dtype in HALF_FLOATS:
+        return rng.integers(-32, 33, count) / 8.0
+    real = rng.uniform(-1, 1, count)
+    if dtype.startswith("complex"):
+        return real + 1j * rng.uniform(-1, 1, count)
+    return real
+
+
+def make(vals: np.ndarray, kind: str, dtype: str):
+    if kind == "numpy":
+        return vals.astype(dtype) if vals.dtype != np.dtype(dtype) else vals.copy()
+    return torch.tensor(vals, dtype=getattr(torch, dtype))
+
+
+def as_numpy(obj) -> np.ndarray:
+    if isinstance(obj, np.ndarray):
+        return obj
+    if obj.dtype == torch.bfloat16:
+        return obj.float().numpy()
+    return obj.numpy()
+
+
+def same_everywhere(result) -> None:
+    """The result's bytes are the same on every rank."""
+    data = np.ascontiguousarray(as_numpy(result))
+    digest = zlib.crc32(data.view(np.uint8).tobytes())
+    from mpi4py import MPI
+    everyone = MPI.COMM_WORLD.allgather(digest)
+    assert len(set(everyone)) == 1, f"results differ between ranks: {everyone}"
+
+
+def compare(shm_result, mpi_result, dtype: str, exact: bool) -> None:
+    a, b = as_numpy(shm_result), as_numpy(mpi_result)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if exact or dtype in ("bool", "bfloat16", "float16") or dtype[0] in "iu":
+        np.testing.assert_array_equal(a, b)
+    else:
+        rtol = 1e-5 if dtype in ("float32", "complex64") else 1e-12
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * 4)
+
+
+def both_paths(name: str, call, shm_expected: bool):
+    """``call()`` through shared memory then through MPI; the counters say which ran."""
+    before = node_shm.COUNTS[name]
+    options.shm = "1"
+    via_shm = call()
+    assert node_shm.COUNTS[name] == before + int(shm_expected), "shared memory not used"
+    options.shm = "0"
+    via_mpi = call()
+    assert node_shm.COUNTS[name] == before + int(shm_expected), "COMMLIB_SHM=0 used it"
+    return via_shm, via_mpi
+
+
+def valid_ops(dtype: str) -> list[ReduceOp]:
+    from commlib import dtypes
+    out = []
+    for op in OPS:
+        try:
+            mpi_op(op, dtypes.get(dtype), "test", 0)
+        except ValueError:
+            continue
+        out.append(op)
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("kind,dtype", CASES)
+def test_allreduce(group, kind, dtype, size):
+    r, n = group.rank, group.size
+    count = numel(size, dtype)
+    for op in valid_ops(dtype):
+        vals = values(r, count, dtype, op, 1)
+
+        def call():
+            t = make(vals, kind, dtype)
+            assert commlib.allreduce(t, op=op, group=group) is t
+            return t
+
+        via_shm, via_mpi = both_paths("allreduce", call, n > 1)
+        compare(via_shm, via_mpi, dtype, n <= 2 and op is not ReduceOp.AVG)
+        same_everywhere(via_shm)
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("kind,dtype", CASES)
+def test_reduce_scatter(group, kind, dtype, size):
+    r, n = group.rank, group.size
+    count = numel(size, dtype) * n + (size != "empty")  # blocks of unequal sizes
+    for op in valid_ops(dtype):
+        vals = values(r, count, dtype, op, 2)
+        via_shm, via_mpi = both_paths(
+            "reduce_scatter",
+            lambda: commlib.reduce_scatter(make(vals, kind, dtype), op=op, group=group),
+            n > 1)
+        assert via_shm.shape[0] == commlib.block_sizes(count, n)[r]
+        compare(via_shm, via_mpi, dtype, n <= 2 and op is not ReduceOp.AVG)
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("kind,dtype", CASES)
+def test_allgather(group, kind, dtype, size):
+    r, n = group.rank, group.size
+    vals = values(r, numel(size, dtype), dtype, ReduceOp.SUM, 3)
+    via_shm, via_mpi = both_paths(
+        "allgather", lambda: commlib.allgather(make(vals, kind, dtype), group=group), n > 1)
+    assert tuple(via_shm.shape) == (n, vals.size)
+    compare(via_shm, via_mpi, dtype, True)
+    compare(via_shm[r], make(vals, kind, dtype), dtype, True)
+    same_everywhere(via_shm)
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("kind,dtype", CASES)
+def test_broadcast(group, kind, dtype, size):
+    r, n = group.rank, group.size
+    src = n - 1
+    vals = values(r, numel(size, dtype), dtype, ReduceOp.SUM, 4)
+    root_vals = values(src, numel(size, dtype), dtype, ReduceOp.SUM, 4)
+
+    def call():
+        t = make(vals, kind, dtype)
+        assert commlib.broadcast(t, src=src, group=group) is t
+        return t
+
+    via_shm, via_mpi = both_paths("broadcast", call, n > 1)
+    compare(via_shm, via_mpi, dtype, True)
+    compare(via_shm, make(root_vals, kind, dtype), dtype, True)
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
+def test_shapes_and_non_contiguous(group):
+    """A 2-D result, a strided input (worked on as a contiguous copy, written back), an
+    ``out`` buffer given by the caller, AVG."""
+    r, n = group.rank, group.size
+    options.shm = "1"
+    before = dict(node_shm.COUNTS)
+    base = np.arange(3000, dtype=np.float64).reshape(100, 30) + r
+    view = base[:, ::3]
+    commlib.allreduce(view, op=ReduceOp.AVG, group=group)
+    expected = np.arange(3000, dtype=np.float64).reshape(100, 30)[:, ::3] + (n - 1) / 2
+    np.testing.assert_array_equal(view, expected)
+    np.testing.assert_array_equal(base[:, 1::3], np.arange(3000.).reshape(100, 30)[:, 1::3] + r)
+    out = np.empty((n, 7, 5), np.int32)
+    got = commlib.allgather(np.full((7, 5), r, np.int32), group=group, out=out)
+    assert got is out and all((out[k] == k).all() for k in range(n))
+    rs_out = np.empty(commlib.block_sizes(1001, n)[r], np.int64)
+    got = commlib.reduce_scatter(np.ones(1001, np.int64), group=group, out=rs_out)
+    assert got is rs_out and (rs_out == n).all()
+    used = n > 1
+    assert node_shm.COUNTS["allreduce"] == before["allreduce"] + used
+    assert node_shm.COUNTS["allgather"] == before["allgather"] + used
+    assert node_shm.COUNTS["reduce_scatter"] == before["reduce_scatter"] + used
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
+def test_dispatch_by_size_async_and_world_window():
+    """``auto``: below the crossover MPI, from it shared memory (on the world's own window,
+    1 MiB halves: 2.5 MiB takes three steps); ``async_op=True`` stays on MPI; ``0`` never."""
+    r, n = commlib.get_rank(), commlib.get_world_size()
+    options.shm = "auto"
+    small = node_shm.MIN_BYTES["allreduce"] // 4 - 1
+    big = (5 << 19) // 4 + 3
+    for count, used in ((small, False), (big, n > 1)):
+        before = node_shm.COUNTS["allreduce"]
+        x = np.full(count, r + 1.0, np.float32)
+        commlib.allreduce(x)
+        assert (x == n * (n + 1) / 2).all()
+        assert node_shm.COUNTS["allreduce"] == before + used, (count, used)
+    before = dict(node_shm.COUNTS)
+    x = np.full(big, r + 1.0, np.float32)
+    commlib.allreduce(x, async_op=True).wait()
+    y = commlib.allgather(np.full(big, r, np.float32), async_op=True).wait()
+    assert (x == n * (n + 1) / 2).all() and all((y[k] == k).all() for k in range(n))
+    options.shm = "0"
+    commlib.broadcast(x, src=0)
+    commlib.reduce_scatter(x)
+    assert node_shm.COUNTS == before
+    if n > 1:
+        nw = node_shm.window(commlib.world().comm)
+        assert nw.whole and nw.half_bytes == node_shm.SEGMENT_BYTES
+
+
+@pytest.mark.mpi
+def test_nothing_named_in_dev_shm():
+    """The windows' files (MPICH: mpich_shar_tmp*) are unlinked once every rank mapped
+    them: none of the files this rank maps still has a name (the MPI library's own
+    segments excepted, which commlib.shm releases)."""
+    from helpers import shm_segments
+    from commlib.mpi_impl import current
+    mpi_own = tuple(current().shm_prefixes)
+    named = [s for s in shm_segments() if os.path.exists(os.path.join("/dev/shm", s))
+             and not s.startswith(mpi_own) and not s.startswith("torch_")]
+    assert not named, named
+
+
+# -- a rank killed inside a shared-memory collective (serial session: its own jobs) --------
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "node_shm_ft_program.py")
+FT_RANKS = 3
+
+
+@serial_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather", "broadcast"])
+def test_rank_killed_mid_collective(tmp_path, op):
+    from elastic_common import fault_tolerance_refusal, leftover_shm, results, run_job
+    why = fault_tolerance_refusal()
+    if why:
+        pytest.skip(why)
+    status, seconds, out, left = run_job(FT_RANKS, [PROGRAM, str(tmp_path), op], 120)
+    assert status != -9, f"hang (killed after 120 s)\n{out[-3000:]}"
+    assert not left, f"processes {left} of the job were left running"
+    assert not leftover_shm(str(tmp_path)), leftover_shm(str(tmp_path))
+    found = results(str(tmp_path))
+    assert sorted(found) == list(range(FT_RANKS - 1)), out[-3000:]
+    # Open MPI and Intel MPI launch every rank on one node; MPICH's fault-tolerant launch
+    # (a hydra proxy per rank, each its own host) makes each rank a node of its own: there
+    # the collectives take the MPI path
+    one_node = mpi_impl().rank_domain_hosts(FT_RANKS) is None
+    for rank, data in found.items():
+        assert data["iters"] == 12 and data["failures"] == 1 and data["size"] == FT_RANKS - 1
+        # every iteration went through shared memory, before and after the shrink
+        # (5 before the kill, 7 after: the killed call completed nowhere)
+        assert data["shm_calls"][op] == (12 if one_node else 0), data
+        assert data["failed_after_s"] < 30, data
+
+
+@serial_only
+@pytest.mark.timeout(300)
+def test_rank_killed_without_fault_tolerance_ends_the_job(tmp_path):
+    """Control: the same kill with fault tolerance off: no survivor finishes, the job ends
+    (the watchdog's abort) instead of hanging."""
+    from elastic_common import fault_tolerance_refusal, results, run_job
+    why = fault_tolerance_refusal()
+    if why:
+        pytest.skip(why)
+    status, seconds, out, left = run_job(FT_RANKS, [PROGRAM, str(tmp_path), "allreduce",
+                                                    "--no-ft"], 120, COMMLIB_TIMEOUT="10")
+    assert status not in (0, -9), f"status {status}\n{out[-3000:]}"
+    assert not left
+    assert results(str(tmp_path)) == {}
