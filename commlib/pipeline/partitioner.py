@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from .. import primitives
 from ..errors import where
+from ..reduce_ops import ReduceOp
 from .trace import PREFIX, profile, trace
 
 BALANCES = ("time", "params")
@@ -57,7 +58,8 @@ class Partition(list):
     ``balance`` (seconds of forward+backward, or parameter bytes); ``stage_costs``: their
     sums per stage; ``sent[k]``: the names of the values stage ``k`` hands to stage ``k+1``
     (packed into one tensor when more than one); ``boundary_bytes[k]``: their bytes on the
-    example batch. The stages hold ``model``'s own parameters and buffers (not copies)."""
+    example batch; ``cuttable``: the indices where a stage may start (for ``cuts``).
+    The stages hold ``model``'s own parameters and buffers (not copies)."""
 
     nodes: list
     starts: list
@@ -65,6 +67,7 @@ class Partition(list):
     stage_costs: list
     sent: list
     boundary_bytes: list
+    cuttable: list
     balance: str
 
     def stage_nodes(self, k: int) -> list:
@@ -89,12 +92,13 @@ def partition(model: torch.nn.Module, num_stages: int, example_inputs: Any,
               repeats: int = 3) -> Partition:
     """Cut ``model`` into ``num_stages`` contiguous pipeline stages.
 
-    Collective over ``group`` (default: the world; the pipeline group that will run the
-    stages): every rank passes the same model and example and gets the same cut. The model
+    Collective over the world: every rank passes the same model and example and gets the
+    same cut (pipeline replicas along a data-parallel axis must cut alike); ``group`` (default:
+    the world) is the pipeline group that will run the stages, which fixes their count. The model
     is traced (``nn.Sequential`` by its children, else ``torch.fx.symbolic_trace``); each
     compute node is measured on ``example_inputs`` (one tensor, or a tuple holding one;
     batch first, at least 2 rows): forward+backward seconds (the median of ``repeats``, on
-    every rank, averaged over ``group``), the bytes of the parameters it reads and of its
+    every rank, averaged over the world), the bytes of the parameters it reads and of its
     output. A dynamic program over the topological order picks the cut whose slowest stage
     is fastest (``balance="time"``) or whose largest stage holds the fewest parameter bytes
     (``"params"``), and among those the one sending the fewest bytes between stages.
@@ -132,7 +136,7 @@ def partition(model: torch.nn.Module, num_stages: int, example_inputs: Any,
                          f"{num_stages} exceeds the {n} compute nodes of "
                          f"{type(model).__name__} ({[i.node.name for i in infos]})")
     if balance == "time":
-        costs = _agree([i.seconds for i in infos], grp)
+        costs = _agree([i.seconds for i in infos], primitives.world(), type(model).__name__)
     else:
         costs = [float(i.param_bytes) for i in infos]
     crossing, blocked, nbytes = _boundaries(gm, infos, example)
@@ -140,7 +144,9 @@ def partition(model: torch.nn.Module, num_stages: int, example_inputs: Any,
         starts = _given(cuts, infos, num_stages, blocked, rank)
     else:
         starts = _solve(costs, nbytes, blocked, num_stages, rank)
-    return _build(gm, infos, example, starts, crossing, nbytes, costs, balance)
+    out = _build(gm, infos, example, starts, crossing, nbytes, costs, balance)
+    out.cuttable = [i + 1 for i, why in enumerate(blocked) if why is None]
+    return out
 
 
 def _rank(group: Any) -> int:
@@ -164,8 +170,15 @@ def _example(example_inputs: Any, rank: int) -> torch.Tensor:
     return x
 
 
-def _agree(seconds: list, group: Any) -> list:
+def _agree(seconds: list, group: Any, model: str) -> list:
     """The mean over the group of each node's seconds, the same floats on every rank."""
+    count = torch.tensor([len(seconds), -len(seconds)], dtype=torch.int64)
+    group.allreduce(count, op=ReduceOp.MAX)
+    if int(count[0]) != -int(count[1]):
+        raise ValueError(f"{where('pipeline.partition', group.rank)}: {model} has "
+                         f"{len(seconds)} compute nodes here, but between {-int(count[1])} "
+                         f"and {int(count[0])} on the ranks of the world: every rank must "
+                         f"pass the same model")
     t = torch.tensor(seconds, dtype=torch.float64)
     group.allreduce(t)
     t /= group.size
