@@ -1,7 +1,7 @@
 """OSU-style micro-benchmark of commlib's collectives against raw mpi4py, in the same run.
 
     mpiexec -n 4 python benchmarks/bench_collectives.py [--ops allreduce,alltoall]
-        [--min-size 8] [--max-size 64M] [--torch] [--json PATH] [--plot PATH]
+        [--min-size 8] [--max-size 64M] [--torch] [--shm] [--json PATH] [--plot PATH]
 
 Per operation and size: a result check (commlib == mpi4py), a warm-up that sets the
 iteration count, then ``--reps`` timed blocks of commlib and of the raw peer, alternating
@@ -10,6 +10,12 @@ after a barrier (OSU); latency is the median over blocks. The peer uses uppercas
 methods with prebuilt ``[buf, count, type]`` messages and preallocated outputs on its own
 ``COMM_WORLD.Dup()``, on the same memory commlib gets. Sizes are the buffer each rank
 passes to commlib; algbw/busbw follow nccl-tests (see benchmarks/README.md).
+
+``--shm``: commlib is timed twice, over MPI (``COMMLIB_SHM=0``: the ``commlib`` columns)
+and through the shared-memory tier at every size (``COMMLIB_SHM=1``: ``shm``; see
+:mod:`commlib.primitives.node_shm`), interleaved with the raw peer in the same blocks, and
+rank 0 measures one core's memcpy and in-place add bandwidth on 64 MiB of the dtype in the
+same run (the bound of a memory-bound tier), printed with the tables and kept in the JSON.
 """
 from __future__ import annotations
 
@@ -71,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="let commlib allocate a new result per call for allgather, "
                         "reduce_scatter and alltoall (default: out= a preallocated buffer, "
                         "as the raw peer does)")
+    p.add_argument("--shm", action="store_true",
+                   help="time commlib over MPI (COMMLIB_SHM=0) and through the shared-memory "
+                        "tier (COMMLIB_SHM=1) side by side, and one core's memcpy bandwidth")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the commlib-vs-mpi4py result comparison")
     p.add_argument("--json", type=Path, help="JSON output (default benchmarks/results/...)")
@@ -239,35 +248,92 @@ def case_pingpong(ctx: Ctx, count: int) -> Case:
 
 
 CASES = {name: globals()[f"case_{name}"] for name in OPS}
+#: The operations the shared-memory tier serves (``--shm``).
+SHM_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
 
 # -- measurement -------------------------------------------------------------------------
-def check(ctx: Ctx, case: Case) -> bool:
+def check(ctx: Ctx, case: Case, settings: tuple = (None,)) -> bool:
     """Run both implementations on rank-dependent data; True if every rank got equal
-    results (raw MPI is the reference)."""
+    results (raw MPI is the reference). ``settings``: the ``COMMLIB_SHM`` values commlib
+    runs under (None: as it is)."""
+    import commlib
     results = []
-    for fn in (case.lib, case.raw):
+    saved = commlib.options.shm
+    for setting, fn in [(s, case.lib) for s in settings] + [(None, case.raw)]:
+        if setting is not None:
+            commlib.options.shm = setting
         case.arr[...] = ctx.rank + 1
         out = fn()
+        commlib.options.shm = saved
         results.append(np.array(out.numpy() if hasattr(out, "numpy") else out))   # a copy
-    same = results[0].shape == results[1].shape and np.array_equal(*results)
+    same = all(r.shape == results[-1].shape and np.array_equal(r, results[-1])
+               for r in results[:-1])
     return bool(ctx.comm.allreduce(same, op=ctx.MPI.LAND))
+
+
+def with_setting(fn: Callable[[], Any], setting: str | None) -> Callable[[], Any]:
+    """``fn`` under ``COMMLIB_SHM=setting`` (for warm-up and calibration; timed blocks set
+    the option once per block instead)."""
+    if setting is None:
+        return fn
+    import commlib
+
+    def call() -> Any:
+        saved = commlib.options.shm
+        commlib.options.shm = setting
+        try:
+            return fn()
+        finally:
+            commlib.options.shm = saved
+    return call
+
+
+def copy_bound(dtype: np.dtype, nbytes: int = 64 << 20, reps: int = 7) -> dict:
+    """One core's memcpy (``np.copyto``) and in-place add (``np.add(a, b, out=a)``)
+    bandwidth on ``nbytes`` of ``dtype``: bytes of the buffer per second, median of
+    ``reps`` (after one untimed call each, so the pages are mapped)."""
+    import time
+    count = nbytes // dtype.itemsize
+    a, b = np.ones(count, dtype), np.ones(count, dtype)
+    out = {}
+    for name, fn in (("memcpy", lambda: np.copyto(a, b)),
+                     ("add", lambda: np.add(a, b, out=a))):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_GBps"] = C.gbps(count * dtype.itemsize, float(np.median(times)))
+    out["bytes"] = count * dtype.itemsize
+    return out
 
 
 def measure(ctx: Ctx, op: str, count: int, args: argparse.Namespace) -> dict:
     import commlib
     case = CASES[op](ctx, count)
-    ok = check(ctx, case) if args.check else None
+    shm = args.shm and op in SHM_OPS
+    # name -> (COMMLIB_SHM while it runs, None: as set; the call)
+    fns = {"commlib": ("0" if shm else None, case.lib), "mpi4py": (None, case.raw)}
+    if shm:
+        fns["shm"] = ("1", case.lib)
+    ok = check(ctx, case, ("0", "1") if shm else (None,)) if args.check else None
     case.arr[...] = 0                   # stable values: SUM of zeros never overflows
-    fns = {"commlib": case.lib, "mpi4py": case.raw}
-    iters = C.calibrate(ctx.comm, list(fns.values()), args.warmup, args.block_ms / 1e3,
-                        args.min_iters, args.max_iters)
-    samples: dict[str, list[float]] = {"commlib": [], "mpi4py": []}
+    iters = C.calibrate(ctx.comm, [with_setting(f, s) for s, f in fns.values()], args.warmup,
+                        args.block_ms / 1e3, args.min_iters, args.max_iters)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     snapshot: dict = {}
+    order = list(fns)
+    saved = commlib.options.shm
     for rep in range(args.reps):
-        for name in (("commlib", "mpi4py") if rep % 2 == 0 else ("mpi4py", "commlib")):
+        for name in (order if rep % 2 == 0 else order[::-1]):
+            setting, fn = fns[name]
+            if setting is not None:
+                commlib.options.shm = setting
             commlib.stats(reset=True)
-            samples[name].append(C.time_block(ctx.comm, fns[name], iters) * case.time_scale)
+            samples[name].append(C.time_block(ctx.comm, fn, iters) * case.time_scale)
+            commlib.options.shm = saved
             if name == "commlib":
                 snapshot = commlib.stats(reset=True)
     return record(ctx, op, case, iters, samples, ok, C.per_call(snapshot, iters))
@@ -293,10 +359,30 @@ def record(ctx: Ctx, op: str, case: Case, iters: int, samples: dict, ok: bool | 
         lib, raw = rec["commlib"][stat], rec["mpi4py"][stat]
         rec[ratio] = raw / lib if lib > 0 else float("nan")   # same bytes: time ratio
         rec[added] = lib - raw
+    if "shm" in rec:   # the shared-memory tier against raw MPI
+        for stat, ratio in (("median_us", "shm_ratio"), ("min_us", "shm_best_ratio")):
+            lib, raw = rec["shm"][stat], rec["mpi4py"][stat]
+            rec[ratio] = raw / lib if lib > 0 else float("nan")
     return rec
 
 
 # -- reporting ---------------------------------------------------------------------------
+def shm_table(op: str, recs: list[dict], bound: dict | None) -> str:
+    """Raw MPI, commlib over MPI, the shared-memory tier (``--shm``) and the copy bound."""
+    rows = [[C.fmt_size(r["bytes"]), C.fmt(r["mpi4py"]["median_us"]),
+             C.fmt(r["commlib"]["median_us"]), C.fmt(r["shm"]["median_us"]),
+             C.fmt(r["mpi4py"]["busbw_GBps"], 3), C.fmt(r["commlib"]["busbw_GBps"], 3),
+             C.fmt(r["shm"]["busbw_GBps"], 3), C.fmt(r["shm_ratio"], 3),
+             C.fmt(r["shm_best_ratio"], 3), CHECK[r["check"]]] for r in recs]
+    heads = ["size", "mpi4py us", "commlib us", "shm us", "mpi4py busbw", "commlib busbw",
+             "shm busbw", "shm/mpi4py", "best", "check"]
+    cap = (f"; one core: memcpy {bound['memcpy_GBps']:.2f} GB/s, add in place "
+           f"{bound['add_GBps']:.2f} GB/s ({C.fmt_size(bound['bytes'])})" if bound else "")
+    return C.format_table(heads, rows, title=f"{op}: raw MPI, commlib over MPI "
+                          f"(COMMLIB_SHM=0), shared-memory tier (COMMLIB_SHM=1); median "
+                          f"latency, busbw in GB/s{cap}")
+
+
 def op_table(op: str, recs: list[dict]) -> str:
     rows = [[C.fmt_size(r["bytes"]), r["iters"], C.fmt(r["commlib"]["median_us"]),
              C.fmt(r["mpi4py"]["median_us"]), C.fmt(r["added_us"]),
@@ -355,7 +441,7 @@ def plot(path: Path, results: dict[str, list[dict]], n: int, label: str) -> Path
             "title": op, "xlabel": "bytes per rank",
             "ylabel": metric.split("_")[0] + " (GB/s)",
             "series": {name: (x, [r[name][metric] for r in recs])
-                       for name in ("commlib", "mpi4py")},
+                       for name in ("commlib", "mpi4py", "shm") if name in recs[0]},
             "ratio": (x, [r["busbw_ratio"] for r in recs]), "ratio_label": "commlib/mpi4py"})
     return C.plot_panels(path, panels, f"commlib vs mpi4py, {label}", ref_ratio=TARGET_RATIO)
 
@@ -384,16 +470,31 @@ def main(argv: list[str] | None = None) -> int:
     import commlib
     commlib.init()
     ctx = Ctx(args)
+    bound = None
+    if args.shm:   # one core's copy bandwidth, alone, before and after the run
+        ctx.comm.Barrier()
+        before = copy_bound(ctx.dtype) if ctx.rank == 0 else None
+        ctx.comm.Barrier()
     results = run(args, ctx)
+    if args.shm:
+        ctx.comm.Barrier()
+        after = copy_bound(ctx.dtype) if ctx.rank == 0 else None
+        ctx.comm.Barrier()
+        if ctx.rank == 0:
+            bound = {k: max(before[k], after[k]) for k in before}
+            bound["before"], bound["after"] = before, after
     if ctx.rank != 0:
         return 0
     label = f"{ctx.n} ranks, {args.dtype}{', torch' if args.torch else ''}"
     for op, recs in results.items():
         print(op_table(op, recs), end="\n\n")
+        if recs and "shm" in recs[0]:
+            print(shm_table(op, recs, bound), end="\n\n")
     smallest = min(args.sizes) if args.sizes else args.min_size
     summary = [summarize_op(op, recs, smallest <= 8) for op, recs in results.items()]
     print(summary_table(summary))
-    stem = f"collectives_n{ctx.n}_{args.dtype}{'_torch' if args.torch else ''}"
+    stem = (f"collectives_n{ctx.n}_{args.dtype}{'_torch' if args.torch else ''}"
+            f"{'_shm' if args.shm else ''}")
     json_path = args.json or C.default_path(stem, ".json")
     data = {"benchmark": "collectives", "label": label, "method": __doc__,
             "environment": C.environment(ctx.n),
@@ -402,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "targets": {"ratio": TARGET_RATIO, "large_bytes": LARGE,
                         "added_us": TARGET_ADDED_US},
-            "summary": summary, "results": results}
+            "summary": summary, "results": results, "copy_bound": bound}
     print(f"\nJSON: {C.write_json(json_path, data)}")
     if not args.no_plot:
         png = plot(args.plot or Path(json_path).with_suffix(".png"), results, ctx.n, label)

@@ -286,6 +286,46 @@ def test_dispatch_by_size_async_and_world_window():
 
 
 @pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
+@pytest.mark.parametrize("kind,dtype", [("numpy", "int64"), ("numpy", "float32"),
+                                        ("torch", "bfloat16"), ("numpy", "float64")])
+def test_hierarchical_node_tier(kind, dtype):
+    """The hierarchical allreduce over emulated nodes of 2 ranks (COMMLIB_LOCAL_SIZE=2):
+    shared memory inside each node, MPI between the leaders, the same result as the MPI
+    path; at 3 ranks the node of one rank makes every rank take the MPI path."""
+    r, n = commlib.get_rank(), commlib.get_world_size()
+    saved_local, saved_half = options.local_size, node_shm.SEGMENT_BYTES
+    options.local_size = 2
+    node_shm.SEGMENT_BYTES = HALF
+    try:
+        g = commlib.new_group(hierarchical=True)
+        g.comm.node()
+    finally:
+        options.local_size = saved_local
+        node_shm.SEGMENT_BYTES = saved_half
+    used = n in (2, 4)
+    try:
+        for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG):
+            if op is ReduceOp.AVG and dtype == "int64":
+                continue
+            for count in (1, 1000, 3 * HALF // itemsize(dtype) + 5):
+                vals = values(r, count, dtype, op, 5)
+                before = node_shm.COUNTS["hierarchical"]
+
+                def call():
+                    t = make(vals, kind, dtype)
+                    commlib.allreduce(t, op=op, group=g)
+                    return t
+
+                via_shm, via_mpi = both_paths("hierarchical", call, used)
+                compare(via_shm, via_mpi, dtype, False)
+                same_everywhere(via_shm)
+                assert node_shm.COUNTS["hierarchical"] == before + used
+    finally:
+        g.free()
+
+
+@pytest.mark.mpi
 def test_nothing_named_in_dev_shm():
     """The windows' files (MPICH: mpich_shar_tmp*) are unlinked once every rank mapped
     them: none of the files this rank maps still has a name (the MPI library's own

@@ -41,6 +41,8 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
         comm.verify("allreduce", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name,
                                   "hierarchical": bool(hierarchical)})
     if hierarchical and comm.size > 1:
+        if not async_op and node_shm.use_hierarchical(comm, buf):  # node tier: shared memory
+            return node_shm.hierarchical_allreduce(comm, buf, op, mop, tensor)
         work = Work(comm, "allreduce", buf, _hierarchical(comm, buf, op, mop, tensor))
         return work if async_op else work.wait()
     if not async_op and node_shm.use(comm, buf, "allreduce"):  # one node: shared memory

@@ -24,6 +24,10 @@ One *step* moves at most ``SEGMENT_BYTES`` bytes of a rank's buffer:
 * **allgather**: each rank copies its chunk into its segment; barrier; each rank copies
   every segment's chunk into its row of the result.
 * **broadcast**: the source copies its chunk into its segment; barrier; the others copy it.
+* **hierarchical allreduce** (``hierarchical=True`` across nodes): the node's ranks reduce
+  the step's chunk as in allreduce; barrier; the node leader allreduces it with the other
+  leaders over MPI and puts the result back into rank 0's segment; barrier; the others
+  copy it out (used when every node has more than one rank).
 
 Consecutive steps use alternate halves, so one barrier per step separates a rank's reads
 of half ``h`` at step ``t`` from its owner's next write into it at step ``t + 2`` (the
@@ -39,7 +43,7 @@ widened to float32, combined in rank order in float32 and rounded to 16 bits (ne
 even) once at the end, where the MPI path rounds after each pair (equal at 2 ranks). AVG
 is the SUM divided by the group size afterwards, as on the MPI path.
 
-When it is used (:func:`use`, called by :func:`commlib.allreduce`,
+When it is used (:func:`use` and :func:`use_hierarchical`, called by :func:`commlib.allreduce`,
 :func:`commlib.reduce_scatter`, :func:`commlib.allgather` and :func:`commlib.broadcast`):
 a blocking call (``async_op=True`` stays on MPI), on host memory (numpy arrays, CPU torch
 tensors, and the host staging of GPU buffers), when every rank of the communicator is on
@@ -89,23 +93,34 @@ SEGMENT_BYTES = 1 << 20
 #: (measured at 2 ranks, MPICH, Open MPI and Intel MPI: benchmarks/README.md).
 MIN_BYTES = {"allreduce": 16 << 10, "reduce_scatter": 16 << 10, "allgather": 16 << 10,
              "broadcast": 16 << 10}
+#: With ``COMMLIB_SHM=auto``, the hierarchical allreduce takes its node tier through shared
+#: memory below this size only: from 2 MiB on the MPI path pipelines its chunks (the node
+#: steps of one chunk overlap the leaders' allreduce of another, commlib.primitives.
+#: allreduce), which this tier does not; not measured across real nodes yet.
+HIERARCHICAL_MAX_BYTES = 2 << 20
 #: Calls completed through shared memory, per operation, in this process (tests and
 #: benchmarks read it to know which path ran).
-COUNTS = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0, "broadcast": 0}
+COUNTS = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0, "broadcast": 0,
+          "hierarchical": 0}
 
 
 class NodeWindow:
     """The shared-memory window of the ranks of one communicator's node.
 
     ``whole``: every rank of the communicator is in it (the flat collectives may use it).
+    ``every_node``: every node of the communicator has more than one rank and a window
+    (the hierarchical allreduce may use them).
     ``comm``: the window's communicator (the node's ranks, in the communicator's order;
     fault-tolerant when the mode is on). ``segments[k]``: rank ``k``'s segment as bytes,
     two halves of ``half_bytes``.
     """
 
     def __init__(self, comm: Any, win: Any, segments: list[np.ndarray], whole: bool,
-                 poll_s: float, half_bytes: int) -> None:
+                 poll_s: float, half_bytes: int, every_node: bool = False,
+                 leaders: Any = None) -> None:
         self.comm = comm
+        self.every_node = every_node  # every node of the communicator has a window
+        self.leaders = leaders  # node leaders (own MPI communicator; None off the leaders)
         self.half_bytes = half_bytes  # SEGMENT_BYTES when the window was made
         self.win = win
         self.segments = segments
@@ -148,6 +163,8 @@ class NodeWindow:
         self.win.Unlock_all()
         self.win.Free()
         self.comm.Free()
+        if self.leaders is not None:
+            self.leaders.Free()
 
 
 _WINDOWS: "weakref.WeakKeyDictionary[Communicator, NodeWindow | None]" = \
@@ -162,15 +179,16 @@ def window(comm: Communicator) -> NodeWindow | None:
         return _WINDOWS[comm]
     except KeyError:
         pass
-    local, _ = comm.node()
-    nw = _make(comm, local)
+    local, leaders = comm.node()
+    nw = _make(comm, local, leaders)
     _WINDOWS[comm] = nw
     if nw is not None:
         comm.on_free.append(nw.free)
     return nw
 
 
-def _make(comm: Communicator, local: Communicator) -> NodeWindow | None:
+def _make(comm: Communicator, local: Communicator,
+          leaders: Communicator | None) -> NodeWindow | None:
     whole = local.size == comm.size
     # node() may be emulated (COMMLIB_LOCAL_SIZE): its ranks share memory only if one
     # shared-memory split of it keeps them all together; every rank of the communicator
@@ -179,9 +197,14 @@ def _make(comm: Communicator, local: Communicator) -> NodeWindow | None:
     ok = shared != MPI.COMM_NULL and shared.Get_size() == local.size and local.size > 1
     everyone = comm.mpi.allgather(bool(ok))
     whole = whole and all(everyone)
+    # the hierarchical allreduce's leaders exchange on a communicator of their own, so
+    # that its blocking calls never interleave with nonblocking ones on leaders
+    lead = leaders.mpi.Dup() if leaders is not None else None
     if not ok:
         if shared != MPI.COMM_NULL:
             shared.Free()
+        if lead is not None:
+            lead.Free()
         return None
     half = SEGMENT_BYTES
     info = MPI.Info.Create()
@@ -201,9 +224,24 @@ def _make(comm: Communicator, local: Communicator) -> NodeWindow | None:
         mem, _ = win.Shared_query(k)
         segments.append(np.frombuffer(mem, dtype=np.uint8, count=2 * half))
     segments[shared.Get_rank()][:] = 0  # first touch: the pages on this rank's NUMA node
-    nw = NodeWindow(shared, win, segments, whole, comm.poll_s, half)
+    nw = NodeWindow(shared, win, segments, whole, comm.poll_s, half, all(everyone), lead)
     nw.sync()
     return nw
+
+
+def use_hierarchical(comm: Communicator, buf: Buf) -> bool:
+    """Whether the blocking hierarchical allreduce of ``buf`` takes its node tier through
+    shared memory (:func:`hierarchical_allreduce`): as :func:`use`, when every node of
+    ``comm`` has more than one rank, sharing memory; with ``COMMLIB_SHM=auto`` only below
+    :data:`HIERARCHICAL_MAX_BYTES`. The same answer on every rank."""
+    setting = options.shm
+    if setting == "0" or comm.size < 2 or buf.mem.__class__ is not np.ndarray:
+        return False
+    nbytes = buf.count * buf.dt.itemsize
+    if setting == "auto" and not MIN_BYTES["allreduce"] <= nbytes < HIERARCHICAL_MAX_BYTES:
+        return False
+    nw = window(comm)
+    return nw is not None and nw.every_node
 
 
 def use(comm: Communicator, buf: Buf, op: str) -> bool:
@@ -333,6 +371,55 @@ def reduce_all(nw: NodeWindow, x: np.ndarray, combine: Combine) -> None:
             combine(segs[0][lo:hi], [seg[lo:hi] for seg in segs])
         nw.sync()
         np.copyto(x[s:s + m], segs[0])
+
+
+def hierarchical_allreduce(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any,
+                           result: Any) -> Any:
+    """Blocking hierarchical allreduce of ``buf`` (host memory, in place) with its node
+    tier through shared memory (:func:`use_hierarchical` said so): per step, the node's
+    ranks reduce the step's chunk in the window as :func:`reduce_all` does (rank order
+    inside the node), the node leader (local rank 0) allreduces it with the other nodes'
+    leaders over MPI (``mop``) and puts the result back in the window, and every rank of
+    the node copies it out (three barriers per step). Returns ``result``; every rank ends
+    with the same bytes."""
+    nw = _WINDOWS.get(comm)
+    if nw is None or not nw.every_node:
+        raise CommError(f"{where('allreduce', comm.rank)}: the shared-memory node tier "
+                        f"needs a window on every node of {comm.describe()}")
+    accounting.record("allreduce", buf.nbytes, comm.size)
+    combine = combiner(op, buf.dt)
+    x = buf.mem.reshape(-1)
+    n, me = nw.size, nw.rank
+    lead = nw.leaders
+    mpi_type = buf.dt.mpi
+    per = nw.half_bytes // x.itemsize
+    total = x.size
+    with _Timed(comm, "allreduce", buf):
+        for s in range(0, total, per):
+            m = min(per, total - s)
+            segs = nw.half(x.dtype, m)
+            np.copyto(segs[me], x[s:s + m])
+            nw.sync()
+            lo, hi = m * me // n, m * (me + 1) // n
+            if hi > lo:
+                combine(segs[0][lo:hi], [seg[lo:hi] for seg in segs])
+            nw.sync()
+            if lead is not None and lead.Get_size() > 1:
+                piece = x[s:s + m]
+                np.copyto(piece, segs[0])
+                if nw.poll_s:
+                    req = lead.Iallreduce(MPI.IN_PLACE, [piece, m, mpi_type], mop)
+                    while not req.Test():
+                        sleep(nw.poll_s)
+                else:
+                    lead.Allreduce(MPI.IN_PLACE, [piece, m, mpi_type], mop)
+                np.copyto(segs[0], piece)
+            nw.sync()
+            if lead is None or lead.Get_size() == 1:
+                np.copyto(x[s:s + m], segs[0])
+    finish_reduce(buf, op, comm.size)
+    COUNTS["hierarchical"] += 1
+    return result
 
 
 def reduce_scatter(comm: Communicator, buf: Buf, out: Buf, op: ReduceOp,
