@@ -227,6 +227,8 @@ def _why_not(i: int, vals: list, value: dict, example: torch.Tensor, infos: list
         if j <= i < last_read[key][0]:
             return (f"{after}: parameter {name!r} is read by nodes {infos[j].node.name!r} "
                     f"and {infos[last_read[key][0]].node.name!r} (a tie that cannot travel)")
+    if not vals:
+        return f"{after}: no value is used later (a stage would receive nothing)"
     kinds = []
     for v in vals:
         info = value.get(v)

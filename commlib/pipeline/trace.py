@@ -87,11 +87,21 @@ def trace(model: torch.nn.Module) -> fx.GraphModule:
                         f"nn.Sequential of its parts") from exc
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for extra in places[1:]:   # concrete args leave placeholders that nothing uses
-        if extra.users:
+    for extra in places[1:]:
+        # a concrete arg leaves a placeholder feeding only fx's checks of its value
+        reach, todo = [], [extra]
+        while todo:
+            node = todo.pop()
+            if node not in reach:
+                reach.append(node)
+                todo.extend(node.users)
+        if any(u not in reach for node in reach for u in node.users) or \
+                any(node.op == "output" for node in reach):
             raise ValueError(f"{PREFIX}: forward of {type(model).__name__} uses input "
                              f"{extra.name!r}; the pipeline feeds its first stage one tensor")
-        gm.graph.erase_node(extra)
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        for node in sorted(reach, key=order.get, reverse=True):
+            gm.graph.erase_node(node)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     if not isinstance(out.args[0], fx.Node):
         raise ValueError(f"{PREFIX}: forward of {type(model).__name__} returns "
@@ -250,8 +260,8 @@ def _leaves(value: Any, out: list) -> None:
             _leaves(v, out)
 
 
-def _time_node(gm: fx.GraphModule, node: fx.Node, values: dict, repeats: int) -> float:
-    """Median seconds of the node's forward and backward on the recorded inputs (float
+def _time_node(gm: fx.GraphModule, node: fx.Node, values: dict) -> float:
+    """Seconds of one forward and backward of the node on the recorded inputs (float
     inputs as fresh leaves that require grad; parameters as they are; nothing accumulates
     into ``.grad``)."""
     if node.op == "get_attr":
@@ -261,42 +271,39 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, values: dict, repeats: int) ->
         params = [p for p in module.parameters() if p.requires_grad]
     else:
         params = []
-    samples = []
-    for _ in range(repeats + 1):   # the first is a warm-up
-        leaves: list = []
+    leaves: list = []
 
-        def fresh(v: Any) -> Any:
-            if isinstance(v, fx.Node):
-                v = values[v]
-                if isinstance(v, torch.nn.Parameter):
-                    if v.requires_grad:
-                        params.append(v)
-                    return v
-                if isinstance(v, torch.Tensor) and v.is_floating_point():
-                    leaf = v.detach().requires_grad_(True)
-                    leaves.append(leaf)
-                    return leaf.clone()
-                return v.clone() if isinstance(v, torch.Tensor) else v
-            return v
-        args = fx.node.map_aggregate(node.args, fresh)
-        kwargs = fx.node.map_aggregate(node.kwargs, fresh)
-        wrt = leaves + list(dict.fromkeys(params))
-        start = time.perf_counter()
-        with torch.enable_grad():
-            if node.op == "call_module":
-                out = gm.get_submodule(node.target)(*args, **kwargs)
-            elif node.op == "call_function":
-                out = node.target(*args, **kwargs)
-            else:   # call_method
-                out = getattr(args[0], node.target)(*args[1:], **kwargs)
-            outs: list = []
-            _leaves(out, outs)
-            outs = [o for o in outs if o.requires_grad]
-            if outs and wrt:
-                torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
-                                    allow_unused=True)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:])
+    def fresh(v: Any) -> Any:
+        if isinstance(v, fx.Node):
+            v = values[v]
+            if isinstance(v, torch.nn.Parameter):
+                if v.requires_grad:
+                    params.append(v)
+                return v
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                leaf = v.detach().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf.clone()
+            return v.clone() if isinstance(v, torch.Tensor) else v
+        return v
+    args = fx.node.map_aggregate(node.args, fresh)
+    kwargs = fx.node.map_aggregate(node.kwargs, fresh)
+    wrt = leaves + list(dict.fromkeys(params))
+    start = time.perf_counter()
+    with torch.enable_grad():
+        if node.op == "call_module":
+            out = gm.get_submodule(node.target)(*args, **kwargs)
+        elif node.op == "call_function":
+            out = node.target(*args, **kwargs)
+        else:   # call_method
+            out = getattr(args[0], node.target)(*args[1:], **kwargs)
+        outs: list = []
+        _leaves(out, outs)
+        outs = [o for o in outs if o.requires_grad]
+        if outs and wrt:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
+                                allow_unused=True)
+    return time.perf_counter() - start
 
 
 def profile(gm: fx.GraphModule, example: torch.Tensor, measure_time: bool,
@@ -328,8 +335,14 @@ def profile(gm: fx.GraphModule, example: torch.Tensor, measure_time: bool,
             infos.append(NodeInfo(node, values[node], _batched(values[node], small[node], b, b2),
                                   _bytes(values[node]), param_bytes, params))
         if measure_time:
-            for info in infos:
-                info.seconds = _time_node(gm, info.node, values, repeats)
+            # repetitions round-robin over the nodes (a burst of interference from other
+            # processes hits different nodes in different rounds); the first is a warm-up
+            samples: list = [[] for _ in infos]
+            for _ in range(repeats + 1):
+                for info, times in zip(infos, samples):
+                    times.append(_time_node(gm, info.node, values))
+            for info, times in zip(infos, samples):
+                info.seconds = statistics.median(times[1:])
     finally:
         with torch.no_grad():
             for t, saved in buffers:

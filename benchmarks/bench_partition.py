@@ -1,0 +1,158 @@
+"""Automatic pipeline partitioning (:func:`commlib.pipeline.partition`) against an
+equal-layers split, on the GPT workload of ``benchmarks/gpt.py``.
+
+    python benchmarks/bench_partition.py [--size default] [--stages 2,4] [--reps 7]
+    mpiexec -n 4 python benchmarks/bench_partition.py --steps 6     # + Pipeline step times
+
+**Balance** (every rank, one process's measurement printed by rank 0): for each stage
+count S the automatic cut (``balance="time"``) and the equal-layers split (the embedding
+with the first blocks, ``layers / S`` blocks per stage, the head with the last) are each
+timed stage by stage on one micro-batch: forward + backward of the stage alone, median of
+``--reps`` (stages alternate within each repetition). The table gives each stage's time,
+the slowest over the mean, and the slowest over the automatic cut's slowest.
+
+**Steps** (``--steps k`` under mpiexec at D ranks, S = D): a 1F1B :class:`Pipeline` of each
+cut trains ``k`` steps of ``--micro`` micro-batches; the median step time (slowest rank) of
+each, alternating. Ranks share this machine's cores: compare the ratio within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
+import commlib  # noqa: E402
+import gpt  # noqa: E402
+
+
+def equal_layers(model: torch.nn.Module, stages: int, x: torch.Tensor) -> list:
+    """Cut points giving each stage ``layers / stages`` blocks (the first stage also the
+    embedding, the last the final norm and head)."""
+    probe = commlib.pipeline.partition(model, 1, x, balance="params",
+                                       group=commlib.primitives.group_from_ranks(
+                                           [commlib.get_rank()]))
+    layers = len(model.blocks)
+    firsts = []
+    for k in range(1, stages):
+        block = k * layers // stages
+        first = next(i for i, n in enumerate(probe.nodes) if n.startswith(f"blocks_{block}_"))
+        firsts.append(max(i for i in probe.cuttable if i <= first))
+    return firsts
+
+
+def stage_times(stages: list, x: torch.Tensor, reps: int) -> list:
+    """Median seconds of forward + backward of each stage alone on ``x``."""
+    inputs, h = [], x
+    with torch.no_grad():
+        for s in stages:
+            inputs.append(h)
+            h = s(h)
+    samples = [[] for _ in stages]
+    for _ in range(reps + 1):
+        for k, s in enumerate(stages):
+            xin = inputs[k].detach()
+            if xin.is_floating_point():
+                xin.requires_grad_(True)
+            t0 = time.perf_counter()
+            y = s(xin)
+            y.backward(torch.ones_like(y))
+            samples[k].append(time.perf_counter() - t0)
+            for p in s.parameters():
+                p.grad = None
+    return [statistics.median(v[1:]) for v in samples]
+
+
+def step_time(stages: list, x: torch.Tensor, y: torch.Tensor, micro: int, steps: int,
+              pipes: dict, key: str) -> float:
+    pipe = pipes.get(key)
+    if pipe is None:
+        pipe = pipes[key] = commlib.pipeline.Pipeline(
+            stages, schedule="1f1b", micro_batches=micro,
+            loss_fn=lambda out, t: torch.nn.functional.cross_entropy(
+                out.reshape(-1, out.shape[-1]), t.reshape(-1)))
+        pipe.train_step(x, y)   # shapes agreed, warm-up
+    commlib.barrier()
+    t0 = time.perf_counter()
+    pipe.train_step(x, y)
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    commlib.allreduce(took, op=commlib.ReduceOp.MAX)
+    return float(took[0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="default", choices=sorted(gpt.SIZES))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--stages", default="2,4")
+    p.add_argument("--batch", type=int, default=8, help="rows of one micro-batch")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--micro", type=int, default=8)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    commlib.init()
+    rank, n = commlib.get_rank(), commlib.get_world_size()
+    cfg = gpt.SIZES[args.size]
+    cfg = gpt.Config(d_model=cfg.d_model, layers=args.layers, heads=cfg.heads,
+                     context=args.context)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (args.batch, args.context), generator=g)
+    me = commlib.primitives.group_from_ranks([rank])
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"GPT d_model={cfg.d_model} layers={cfg.layers} context={cfg.context}, micro-batch "
+        f"{args.batch} rows; stage times: fwd+bwd alone, median of {args.reps}")
+    for count in [int(s) for s in args.stages.split(",")]:
+        model = gpt.build(cfg)
+        t0 = time.perf_counter()
+        auto = commlib.pipeline.partition(model, count, x, group=me)
+        took = time.perf_counter() - t0
+        naive = commlib.pipeline.partition(model, count, x, balance="params", group=me,
+                                           cuts=equal_layers(model, count, x))
+        times = {"auto": [], "equal": []}
+        for _ in range(3):   # alternate the two cuts
+            for key, cut in (("auto", auto), ("equal", naive)):
+                times[key].append(stage_times(list(cut), x, args.reps))
+        best = {k: [statistics.median(v[i] for v in runs) for i in range(count)]
+                for k, runs in times.items()}
+        say(f"\nS={count}: partition() took {took:.2f} s over {len(auto.nodes)} nodes")
+        for key, cut in (("auto", auto), ("equal", naive)):
+            ts = best[key]
+            firsts = [cut.nodes[s] for s in cut.starts]
+            say(f"  {key:5s} starts {firsts}")
+            say(f"        stage ms {[round(1e3 * t, 2) for t in ts]}  max/mean "
+                f"{max(ts) / statistics.mean(ts):.3f}  max/auto max "
+                f"{max(ts) / max(best['auto']):.3f}  sent {cut.boundary_bytes} B")
+        if args.steps and count == n:
+            xs = torch.randint(0, 256, (args.batch * args.micro, args.context), generator=g)
+            ys = torch.randint(0, 256, (args.batch * args.micro, args.context), generator=g)
+            # the cut every rank uses: rank 0's (measurements differ between ranks)
+            pipes: dict = {}
+            stages = {}
+            for key in ("auto", "equal"):
+                cut = auto if key == "auto" else naive
+                starts = torch.tensor(cut.starts)
+                commlib.broadcast(starts, src=0)
+                stages[key] = commlib.pipeline.partition(
+                    gpt.build(cfg), count, x, balance="params",
+                    cuts=[int(s) for s in starts[1:]])
+            steps = {"auto": [], "equal": []}
+            for _ in range(args.steps):
+                for key in ("auto", "equal"):
+                    steps[key].append(step_time(list(stages[key]), xs, ys, args.micro,
+                                                args.steps, pipes, key))
+            a, e = statistics.median(steps["auto"]), statistics.median(steps["equal"])
+            say(f"  1F1B step at {n} ranks, {args.micro} micro-batches: auto {a * 1e3:.1f} ms,"
+                f" equal {e * 1e3:.1f} ms, equal/auto {e / a:.3f}")
+            for pipe in pipes.values():
+                pipe.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
