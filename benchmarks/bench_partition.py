@@ -30,12 +30,10 @@ import commlib  # noqa: E402
 import gpt  # noqa: E402
 
 
-def equal_layers(model: torch.nn.Module, stages: int, x: torch.Tensor) -> list:
+def equal_layers(model: torch.nn.Module, stages: int, x: torch.Tensor, me) -> list:
     """Cut points giving each stage ``layers / stages`` blocks (the first stage also the
     embedding, the last the final norm and head)."""
-    probe = commlib.pipeline.partition(model, 1, x, balance="params",
-                                       group=commlib.primitives.group_from_ranks(
-                                           [commlib.get_rank()]))
+    probe = commlib.pipeline.partition(model, 1, x, balance="params", group=me)
     layers = len(model.blocks)
     firsts = []
     for k in range(1, stages):
@@ -113,7 +111,7 @@ def main(argv=None) -> int:
         auto = commlib.pipeline.partition(model, count, x, group=me)
         took = time.perf_counter() - t0
         naive = commlib.pipeline.partition(model, count, x, balance="params", group=me,
-                                           cuts=equal_layers(model, count, x))
+                                           cuts=equal_layers(model, count, x, me))
         times = {"auto": [], "equal": []}
         for _ in range(3):   # alternate the two cuts
             for key, cut in (("auto", auto), ("equal", naive)):

@@ -54,7 +54,8 @@ class ResCNN(nn.Module):
 
 
 class FrozenBuffer(nn.Module):
-    """A frozen input layer and a frozen bias parameter, a buffer read at three places."""
+    """A frozen input layer, a frozen parameter read at both ends (it travels), a buffer
+    read at three places (each stage reading it holds it)."""
 
     def __init__(self, width=8, inputs=5, outputs=3):
         super().__init__()
@@ -68,7 +69,7 @@ class FrozenBuffer(nn.Module):
         self.out = nn.Linear(width, outputs)
 
     def forward(self, x):
-        h = torch.tanh(self.embed(x)) * self.scale
+        h = torch.tanh(self.embed(x) + self.frozen_bias) * self.scale
         h = torch.tanh(self.l1(h))
         h = torch.tanh(self.l2(h)) * self.scale
         h = self.l3(h) + self.frozen_bias

@@ -92,25 +92,35 @@ def partition(model: torch.nn.Module, num_stages: int, example_inputs: Any,
               repeats: int = 3) -> Partition:
     """Cut ``model`` into ``num_stages`` contiguous pipeline stages.
 
-    Collective over the world: every rank passes the same model and example and gets the
-    same cut (pipeline replicas along a data-parallel axis must cut alike); ``group`` (default:
-    the world) is the pipeline group that will run the stages, which fixes their count. The model
-    is traced (``nn.Sequential`` by its children, else ``torch.fx.symbolic_trace``); each
-    compute node is measured on ``example_inputs`` (one tensor, or a tuple holding one;
-    batch first, at least 2 rows): forward+backward seconds (the median of ``repeats``, on
-    every rank, averaged over the world), the bytes of the parameters it reads and of its
-    output. A dynamic program over the topological order picks the cut whose slowest stage
-    is fastest (``balance="time"``) or whose largest stage holds the fewest parameter bytes
-    (``"params"``), and among those the one sending the fewest bytes between stages.
-    ``cuts`` (optional) gives the cut instead: the index (into :attr:`Partition.nodes`) or
-    name of the first node of each stage after the first.
+    Collective over the world under ``balance="time"``: every rank passes the same model
+    and example and gets the same cut (the times are averaged over the world, so pipeline
+    replicas along a data-parallel axis cut alike; ``"params"`` needs no communication).
+    ``group`` (default: the world) is the pipeline group that will run the stages, which
+    fixes their count. The model is traced (``nn.Sequential`` by its children, else
+    ``torch.fx.symbolic_trace``); each compute node is measured on ``example_inputs`` (one
+    tensor, or a tuple holding one; batch first, at least 2 rows; any dtype): forward +
+    backward seconds (the median of ``repeats``, taken round-robin over the nodes), the
+    bytes of the parameters it reads and of its output. A dynamic program over the
+    topological order picks the cut whose slowest stage is fastest (``balance="time"``) or
+    whose largest stage holds the fewest parameter bytes (``"params"``), and among those
+    the one sending the fewest bytes between stages. ``cuts`` (optional) gives the cut
+    instead: the index (into :attr:`Partition.nodes`) or name of the first node of each
+    stage after the first.
+
+    Stage 0 takes the model's input; the last stage returns the model's output (one
+    tensor). In between, a stage returns the one tensor the next needs, or, when several
+    values are needed later (skip connections, the input, a weight tied between the first
+    and last layers), one flat tensor of their common dtype that the next stage unpacks
+    (its length: ``rows * per-sample size`` of the batch-first values plus the size of the
+    fixed-shape ones). Gradients flow through the packing, so a travelling weight's
+    gradient reaches the stage holding it. Buffers go with every stage that reads them
+    (each holds the same tensor), frozen parameters with the stage that reads them first
+    (later readers get them as values). A parameter tied between modules other than
+    ``nn.Linear``/``nn.Embedding`` keeps its readers in one stage. The stages hold
+    ``model``'s own parameters and buffers, not copies.
 
     ``num_stages`` must be a multiple of the group's size (equal under ``gpipe``, ``1f1b``
-    and ``chimera``; ``chunks`` times under ``interleaved``). Values used by later stages
-    (skip connections, the input, a weight tied between the first and last layers) travel
-    with the activations; buffers and frozen parameters go with the stages that read them
-    (a buffer read in several stages is held by each). A parameter that stays tied between
-    modules other than ``nn.Linear``/``nn.Embedding`` keeps its readers in one stage.
+    and ``chimera``; ``chunks`` times under ``interleaved``).
 
     Raises ``TypeError`` naming the module fx cannot trace; ``ValueError`` for more stages
     than compute nodes, a ``num_stages`` the group cannot run, or no possible cut (naming
