@@ -263,6 +263,15 @@ def test_untraceable_module_is_named():
 
     with pytest.raises(TypeError, match="module 'branchy'"):
         commlib.pipeline.partition(Outer(), 1, torch.randn(4, 3), balance="params")
+    # a plain nn.Sequential is cut by its children, untraced: the same parts work there
+    seq = torch.nn.Sequential(torch.nn.Linear(3, 3), Branchy(), torch.nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    p = commlib.pipeline.partition(seq, 2, x, balance="params")
+    assert len(p.nodes) == 3
+    h = x
+    for stage in p:
+        h = stage(h)
+    torch.testing.assert_close(h, seq(x), rtol=0, atol=0)
 
 
 class SizeLater(torch.nn.Module):
