@@ -126,3 +126,41 @@ def test_zero_is_refused():
                                                 optimizer_class=torch.optim.SGD, lr=0.1)
     with pytest.raises(commlib.CommError, match="ZeRO optimizers are not supported"):
         elastic.State(model, optimizer)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("keep", [2, 4])
+@pytest.mark.parametrize("fenced", [True, False])
+def test_per_rank_commits_stay_within_keep(keep, fenced, monkeypatch):
+    """decentralized's replicas (per-rank commits) are held within ``keep - 1`` commits of
+    each other, so the survivors of a death always share a commit: with rank 0 slow (25 ms
+    before each commit), no other rank finishes commit ``c`` before rank 0 started commit
+    ``c - keep + 1`` (monotonic clock, one machine). Negative control: without the fence
+    the fast ranks run away (all their commits before rank 0's second)."""
+    import time
+    from commlib.elastic.state import PER_RANK
+    if not fenced:
+        monkeypatch.setattr(elastic.State, "_fence_due", lambda self: False)
+    state = elastic.State(torch.nn.Linear(4, 2), keep=keep)
+    state.__dict__["policy"] = PER_RANK     # what wrap(algorithm="decentralized") sets
+    rank, commits = commlib.get_rank(), 10
+    before, after = np.zeros(commits), np.zeros(commits)
+    commlib.barrier()
+    for c in range(commits):
+        if rank == 0:
+            time.sleep(0.025)
+        before[c] = time.monotonic()
+        state.commit()
+        after[c] = time.monotonic()
+    state._settle()
+    befores = commlib.allgather(before)
+    befores = np.asarray(befores).reshape(-1, commits)
+    late = [(c + 1, after[c] - befores[0][c - keep + 1]) for c in range(keep - 1, commits)
+            if after[c] < befores[0][c - keep + 1]]
+    if rank == 0:
+        assert not late
+    elif fenced:
+        assert not late, f"rank {rank}: commits (c, s early) before rank 0's c-{keep - 1}: {late}"
+    else:
+        assert len(late) >= commits - keep, late
+    commlib.barrier()

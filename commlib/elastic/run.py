@@ -55,6 +55,7 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
     while True:
         try:
             result = train_fn(state)
+            state._settle()
             state.group.barrier()
             return result
         except PeerFailure as exc:

@@ -77,7 +77,9 @@ class State:
       optimizer and algorithm state are copied at each commit and restored.
     * ``decentralized`` (replicas differ): each commit copies this rank's model, optimizer
       and algorithm state (the last ``keep`` commits are kept); the survivors agree on the
-      earliest last commit among them and each restores its own copy of it.
+      earliest last commit among them and each restores its own copy of it. A
+      non-blocking barrier every ``keep // 2`` commits keeps every rank within ``keep - 1``
+      commits of the others, so that commit is always held (see :meth:`_fence_due`).
     * ``local_sgd``: a commit is the average after each ``sync_every``-th step (replicas
       are equal there), copied when the average is applied; a failure discards the partial
       round (the local steps since), as torchft's DiLoCo does. A survivor that missed the
@@ -149,7 +151,41 @@ class State:
             return  # the commit is taken when the average is applied
         if self.step % self.commit_every == 0:
             full = self.policy == PER_RANK or self.commit_every > 1
+            fence = self.policy == PER_RANK and self._fence_due()
+            if fence:
+                self._fence_wait()
             self._record(full)
+            if fence:
+                from ..primitives.barrier import barrier
+                d["_pending_fence"] = barrier(group=self.group, async_op=True)
+
+    def _fence_due(self) -> bool:
+        """Bound how far the replicas of a per-rank algorithm drift apart in commits, so
+        that the survivors always hold a common one. ``decentralized`` exchanges with one
+        peer per step, so nothing else holds ranks together: after a death, a rank whose
+        peers finished their exchanges (a survivor told of the failure gives up its own
+        wait at once) can run several steps past one that stopped (seen: commits [12, 13]
+        against 11 with ``keep=2``). At every ``K``-th commit (``K = keep // 2``), before
+        recording it, each rank waits for the non-blocking barrier it started at the
+        previous fence, ``K`` commits earlier, after recording that commit; it starts the
+        next one after recording this one (:meth:`_fence_wait`, then :meth:`commit`):
+        when a rank records
+        commit ``c``, every rank has recorded ``c - 2K + 1`` or later, which the
+        ``keep >= 2K`` commits it holds include. One barrier per ``K`` commits, overlapped
+        with ``K`` commits of training (``keep=2``: one per step, waited a step later); a
+        failure meanwhile shows here as in any collective."""
+        return (self.step // self.commit_every) % max(1, self.keep // 2) == 0
+
+    def _fence_wait(self) -> None:
+        d = self.__dict__
+        pending, d["_pending_fence"] = d.get("_pending_fence"), None
+        if pending is not None:
+            pending.wait()
+
+    def _settle(self) -> None:
+        """Wait for the pending fence (training over on every member: each started the
+        same fences)."""
+        self._fence_wait()
 
     def _record(self, full: bool, step: int | None = None, values: dict | None = None) -> None:
         d = self.__dict__
@@ -232,6 +268,10 @@ class State:
         :meth:`_value`; the state's group from now on): bring every member to the agreed
         commit. ``old_size``: the group's size before the failure (``scale_lr``)."""
         d = self.__dict__
+        fence = d.get("_pending_fence")
+        if fence is not None:   # the old group's: given up on (it may never complete)
+            fence._comm.abandon(fence)
+            d["_pending_fence"] = None
         d["group"] = group
         decision = group.agreement
         mine = self._value()
