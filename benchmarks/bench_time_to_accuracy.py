@@ -64,15 +64,29 @@ def parse_shape(text: str) -> tuple[int, int]:
     return nodes, per
 
 
+def pinning(nodes: int, per: int, pin: str) -> list[list[int]] | None:
+    """The cores of each node (``two_tier(cpus=)``): one core per rank, node ``i`` on cores
+    ``i*per .. i*per+per-1``, when ``pin`` is ``on``, or ``auto`` and the machine has a core
+    for every rank (2x1 on 2 cores: each rank computes alone, the link is what is shared);
+    ``None`` otherwise (the ranks share the cores: compute-bound shapes)."""
+    if pin == "off" or (pin == "auto" and nodes * per > (os.cpu_count() or 1)):
+        return None
+    if nodes * per > (os.cpu_count() or 1):
+        raise SystemExit(f"--pin on: {nodes}x{per} needs {nodes * per} cores, this machine "
+                         f"has {os.cpu_count()}")
+    return [list(range(i * per, (i + 1) * per)) for i in range(nodes)]
+
+
 def launch(nodes: int, per: int, rate: float, delay_ms: float, argv: list[str],
-           timeout: float) -> tuple[int, dict[str, Any]]:
+           timeout: float, pin: str = "auto") -> tuple[int, dict[str, Any]]:
     """Run ``argv`` (a python command line, without mpiexec) on the emulated two-tier
     cluster (``netsim.two_tier``), after measuring its links."""
     from netsim import two_tier
+    cpus = pinning(nodes, per, pin)
     with two_tier(nodes=nodes, ranks_per_node=per, rate_mbit=rate or None,
-                  delay_ms=delay_ms) as cluster:
+                  delay_ms=delay_ms, cpus=cpus) as cluster:
         info: dict[str, Any] = {"emulation": cluster.why, "shaped": cluster.shaped,
-                                "delay_applied": cluster.delay_applied}
+                                "delay_applied": cluster.delay_applied, "cpus": cpus}
         if cluster.shaped:
             for label, (a, b) in (("inter_node", (0, 1)), ("intra_node", (0, 0))):
                 if (label == "inter_node" and nodes < 2) or (label == "intra_node" and per < 2):
@@ -99,7 +113,7 @@ def run_job(args: argparse.Namespace, nodes: int, per: int, rate: float, model: 
     for item in args.set:
         argv += ["--set", item]
     started = time.perf_counter()
-    code, info = launch(nodes, per, rate, args.delay_ms, argv, args.timeout)
+    code, info = launch(nodes, per, rate, args.delay_ms, argv, args.timeout, args.pin)
     if code != 0:
         raise SystemExit(f"worker {nodes}x{per} {rate:g} Mbit/s {model} seed {seed} "
                          f"exited {code}")
@@ -117,7 +131,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "shaped": shaped, "why": why, "tolerance": args.tolerance,
         "config": {k: getattr(args, k) for k in ("epochs", "batch", "lr", "width",
-                                                  "eval_every", "delay_ms", "algorithms",
+                                                  "eval_every", "delay_ms", "pin", "algorithms",
                                                   "gpt_size", "gpt_steps_per_epoch",
                                                   "gpt_lr", "gpt_bytes", "loss_tolerance",
                                                   "gpt_eval_windows", "set")},
@@ -185,6 +199,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default="2x2,4x1", help="NODESxRANKS, comma-separated")
     p.add_argument("--rates", default="1000", help="inter-node Mbit/s, comma-separated; 0: none")
     p.add_argument("--delay-ms", type=float, default=0.5)
+    p.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
+                   help="one core per rank (auto: where the machine has one per rank)")
     p.add_argument("--models", default="cnn,mlp")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS))

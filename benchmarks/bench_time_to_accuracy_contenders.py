@@ -26,6 +26,13 @@ CONTENDERS: dict[str, tuple[str | None, dict[str, Any], str]] = {
                                               "fragment_sync_delay": 1, "quantize": "int4",
                                               "outer_lr": 0.7, "outer_momentum": 0.5}, "sgd"),
     "powersgd": ("powersgd", {"rank": 4, "start_iter": "epoch"}, "sgd"),
+    # issue 32's frontier, at DiLoCo's interval (defaults of their papers otherwise; the
+    # tuning table is open): chunked top-k 2-bit pseudo-gradients with error feedback;
+    # MuLoCo's 2-bit statistical quantizer with Muon inside; DeMo's top-k DCT momentum
+    # with the sign update (plain SGD at the model's learning rate)
+    "sparseloco": ("sparseloco", {"sync_every": 8}, "sgd"),
+    "muloco": ("muloco", {"sync_every": 8}, "muon"),
+    "demo": ("demo", {"chunk_size": 64, "topk": 32}, "sign"),
     "torch_ddp_gloo": (None, {}, "sgd"),
     "torch_ddp_powersgd": (None, {"rank": 4, "start_iter": "epoch"}, "sgd"),
     "control_nocomm": (None, {}, "sgd"),
@@ -35,6 +42,10 @@ CONTENDERS: dict[str, tuple[str | None, dict[str, Any], str]] = {
 }
 #: what runs without --algorithms
 DEFAULT_ALGORITHMS = tuple(n for n in CONTENDERS if n != "async_model_average_ms")
+#: optimizer kinds: "sgd" (SGD with momentum; AdamW on the GPT), "qadam" (QAdamOptimizer),
+#: "muon" (muloco_inner_optimizer: Muon for matrices, AdamW for the rest), "sign" (plain
+#: SGD without momentum, for DeMo's sign update)
+OPTIMIZER_KINDS = ("sgd", "qadam", "muon", "sign")
 SYNC = "gradient_allreduce"
 PEER = "torch_ddp_gloo"
 PEER_PSGD = "torch_ddp_powersgd"   # torch DDP + torch's powerSGD_hook over gloo

@@ -31,6 +31,8 @@ MARGIN=${MARGIN:-1.05}             # a job starts if used + longest job x this f
 # the relaxations, the synchronous reference (it sets the target) and torch DDP; left
 # out for time on 2 cores (README: gradient_allreduce_hier, torch_ddp_powersgd, the control)
 ALGORITHMS=${ALGORITHMS:-gradient_allreduce,bytegrad,local_sgd,async_model_average,diloco,streaming_diloco,powersgd,torch_ddp_gloo}
+DELAY_MS=${DELAY_MS:-0.5}           # one way (netem, or the TUN delay line without it)
+PIN=${PIN:-auto}                   # one core per rank where the machine has one (2x1)
 OUT=${OUT:-benchmarks/results}
 README=${README-benchmarks/README.md}
 
@@ -50,4 +52,4 @@ exec flock /tmp/commlib-bench.lock "$PYTHON" benchmarks/bench_time_to_accuracy_g
     ${RESUME:+--resume} \
     -- --gpt-size "$SIZE" --epochs "$EPOCHS" --gpt-steps-per-epoch "$STEPS_PER_EPOCH" \
     --batch "$BATCH" --gpt-lr "$LR" --eval-every "$EVAL_EVERY" --gpt-eval-windows "$EVAL_WINDOWS" --algorithms "$ALGORITHMS" \
-    --timeout 900
+    --delay-ms "$DELAY_MS" --pin "$PIN" --timeout 900
