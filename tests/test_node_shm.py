@@ -180,6 +180,20 @@ def test_allreduce(group, kind, dtype, size):
 
 @pytest.mark.mpi
 @pytest.mark.usefixtures("setting")
+@pytest.mark.parametrize("size", ["one", "tiny", "below", "steps"])
+@pytest.mark.parametrize("kind,dtype", [("numpy", "bool"), ("numpy", "int8"),
+                                        ("numpy", "uint64"), ("numpy", "float32"),
+                                        ("numpy", "complex128"), ("torch", "bfloat16"),
+                                        ("numpy", "float16")])
+def test_allreduce_split_steps(group, kind, dtype, size, monkeypatch):
+    """From 3 ranks, steps above WHOLE_STEP_BYTES are reduced a slice per rank and copied
+    out of rank 0's segment (here every step, the threshold set to 0)."""
+    monkeypatch.setattr(node_shm, "WHOLE_STEP_BYTES", 0)
+    test_allreduce(group, kind, dtype, size)
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("setting")
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("kind,dtype", CASES)
 def test_reduce_scatter(group, kind, dtype, size):

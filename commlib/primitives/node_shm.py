@@ -11,13 +11,15 @@ after it on every memory model).
 
 One *step* moves at most ``SEGMENT_BYTES`` bytes of a rank's buffer:
 
-* **allreduce**: each rank copies its chunk into its segment; barrier; rank ``r`` reduces
-  its slice ``[m*r//n, m*(r+1)//n)`` of the chunk from every rank's segment, **in rank
-  order** (``((x_0 op x_1) op x_2) ... op x_{n-1}``, the same order on every rank and for
-  every element, whichever rank reduces it), writing the result into rank 0's segment (the
-  slices are disjoint, and only rank ``r`` reads slice ``r`` before the next barrier);
-  barrier; every rank copies the whole reduced chunk out of rank 0's segment. Every rank
-  ends with the same bytes.
+* **allreduce**: each rank copies its chunk into its segment; barrier; then at 2 ranks, or
+  for chunks of at most ``WHOLE_STEP_BYTES``, every rank reduces the whole chunk from every
+  segment into its own buffer; else rank ``r`` reduces its slice ``[m*r//n, m*(r+1)//n)``
+  of the chunk, writing the result into rank 0's segment (the slices are disjoint, and
+  only rank ``r`` reads slice ``r`` before the next barrier); barrier; every rank copies
+  the whole reduced chunk out of rank 0's segment. Either way each element is reduced
+  **in rank order** (``((x_0 op x_1) op x_2) ... op x_{n-1}``, the same order on every rank
+  and for every element, whichever rank reduces it), so every rank ends with the same
+  bytes.
 * **reduce_scatter**: each rank copies, for every rank ``k``, the step's piece of block
   ``k`` into its segment; barrier; each rank reduces its own block's piece from every
   segment, in rank order, straight into its result buffer.
@@ -93,6 +95,9 @@ SEGMENT_BYTES = 1 << 20
 #: (measured at 2 ranks, MPICH, Open MPI and Intel MPI: benchmarks/README.md).
 MIN_BYTES = {"allreduce": 16 << 10, "reduce_scatter": 16 << 10, "allgather": 16 << 10,
              "broadcast": 16 << 10}
+#: Allreduce steps of at most this many bytes are reduced whole by every rank (one barrier
+#: instead of two; see :func:`reduce_all`).
+WHOLE_STEP_BYTES = 64 << 10
 #: With ``COMMLIB_SHM=auto``, the hierarchical allreduce takes its node tier through shared
 #: memory below this size only: from 2 MiB on the MPI path pipelines its chunks (the node
 #: steps of one chunk overlap the leaders' allreduce of another, commlib.primitives.
@@ -357,7 +362,12 @@ def allreduce(comm: Communicator, buf: Buf, op: ReduceOp, result: Any) -> Any:
 
 def reduce_all(nw: NodeWindow, x: np.ndarray, combine: Combine) -> None:
     """Allreduce of the 1-D contiguous host array ``x`` over ``nw``'s ranks, in place (no
-    AVG division): two barriers per step of at most ``nw.half_bytes``."""
+    AVG division), in steps of at most ``nw.half_bytes``: at 2 ranks, or for steps of at
+    most :data:`WHOLE_STEP_BYTES`, every rank reduces the whole step from every segment
+    into ``x`` itself (one barrier; at 2 ranks this moves fewer bytes than splitting:
+    5 instead of 5.5 times the step), else each its slice into rank 0's segment and every
+    rank copies the result out (two barriers). Either way every element is combined in
+    rank order, so every rank ends with the same bytes."""
     n, me = nw.size, nw.rank
     per = nw.half_bytes // x.itemsize
     total = x.size
@@ -366,6 +376,9 @@ def reduce_all(nw: NodeWindow, x: np.ndarray, combine: Combine) -> None:
         segs = nw.half(x.dtype, m)
         np.copyto(segs[me], x[s:s + m])
         nw.sync()
+        if n == 2 or m * x.itemsize <= WHOLE_STEP_BYTES:
+            combine(x[s:s + m], segs)
+            continue
         lo, hi = m * me // n, m * (me + 1) // n
         if hi > lo:
             combine(segs[0][lo:hi], [seg[lo:hi] for seg in segs])
