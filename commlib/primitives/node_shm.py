@@ -135,14 +135,18 @@ class NodeWindow:
         self.size = comm.Get_size()
         self.step = 0
         self.freed = False
+        self._views: dict[tuple, list[np.ndarray]] = {}
 
     def half(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Every rank's view of ``count`` elements of ``dtype`` in the next step's half."""
         h = self.step & 1
         self.step += 1
-        lo = h * self.half_bytes
-        hi = lo + count * dtype.itemsize
-        return [seg[lo:hi].view(dtype) for seg in self.segments]
+        key = (dtype, h)
+        views = self._views.get(key)
+        if views is None:
+            lo, hi = h * self.half_bytes, (h + 1) * self.half_bytes
+            views = self._views[key] = [seg[lo:hi].view(dtype) for seg in self.segments]
+        return [v[:count] for v in views]
 
     def sync(self) -> None:
         """Barrier over the node, with the window's memory synchronized on both sides."""
@@ -165,6 +169,7 @@ class NodeWindow:
         if getattr(self.comm, "failed", False):
             return
         self.segments = []
+        self._views = {}
         self.win.Unlock_all()
         self.win.Free()
         self.comm.Free()
@@ -275,10 +280,21 @@ _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multi
 Combine = Callable[[np.ndarray, list], None]
 
 
+_combiners: dict[tuple[ReduceOp, str], Combine] = {}
+
+
 def combiner(op: ReduceOp, dt: DType) -> Combine:
     """``combine(dst, srcs)``: ``dst[...] = srcs[0] op srcs[1] op ... op srcs[-1]``, left
     to right (rank order); ``dst`` may be ``srcs[0]`` itself, no other source. ``op`` must
     be valid for ``dt`` (``commlib.reduce_ops.mpi_op`` checked it)."""
+    key = (op, dt.name)
+    found = _combiners.get(key)
+    if found is None:
+        found = _combiners[key] = _make_combiner(op, dt)
+    return found
+
+
+def _make_combiner(op: ReduceOp, dt: DType) -> Combine:
     ufunc = _LOGICAL[op] if dt.kind == "b" else _UFUNC[op]
     if dt.name in ("bfloat16", "float16"):
         return _half_combiner(ufunc, dt.name == "bfloat16")
