@@ -273,27 +273,35 @@ def test_shapes_and_non_contiguous(group):
 @pytest.mark.mpi
 @pytest.mark.usefixtures("setting")
 def test_dispatch_by_size_async_and_world_window():
-    """``auto``: below the crossover MPI, from it shared memory (on the world's own window,
-    1 MiB halves: 2.5 MiB takes three steps); ``async_op=True`` stays on MPI; ``0`` never."""
+    """``auto``: shared memory inside the measured ranges (on the world's own window, 1 MiB
+    halves: 1.5 MiB takes two steps), MPI outside them (below the first, between two, for
+    allgather and broadcast); ``async_op=True`` stays on MPI; ``0`` never."""
     r, n = commlib.get_rank(), commlib.get_world_size()
     options.shm = "auto"
-    small = node_shm.MIN_BYTES["allreduce"] // 4 - 1
-    big = (5 << 19) // 4 + 3
-    for count, used in ((small, False), (big, n > 1)):
+    (low, high), (big, _) = node_shm.AUTO_RANGES["allreduce"]
+    cases = ((low - 4, False), (low, n > 1), ((3 << 20) // 2, n > 1), (high, False),
+             (big, n > 1))
+    for nbytes, used in cases:
+        assert node_shm.auto("allreduce", nbytes) == (low <= nbytes < high or nbytes >= big)
         before = node_shm.COUNTS["allreduce"]
-        x = np.full(count, r + 1.0, np.float32)
+        x = np.full(nbytes // 4, r + 1.0, np.float32)
         commlib.allreduce(x)
         assert (x == n * (n + 1) / 2).all()
-        assert node_shm.COUNTS["allreduce"] == before + used, (count, used)
+        assert node_shm.COUNTS["allreduce"] == before + used, (nbytes, used)
     before = dict(node_shm.COUNTS)
-    x = np.full(big, r + 1.0, np.float32)
+    x = np.full(low, r + 1.0, np.float32)
     commlib.allreduce(x, async_op=True).wait()
-    y = commlib.allgather(np.full(big, r, np.float32), async_op=True).wait()
+    y = commlib.allgather(np.full(low, r, np.float32), async_op=True).wait()
     assert (x == n * (n + 1) / 2).all() and all((y[k] == k).all() for k in range(n))
-    options.shm = "0"
+    commlib.allgather(np.full(low, r, np.float32))  # never under auto
     commlib.broadcast(x, src=0)
-    commlib.reduce_scatter(x)
     assert node_shm.COUNTS == before
+    options.shm = "0"
+    commlib.reduce_scatter(np.ones(1 << 20, np.float32))
+    assert node_shm.COUNTS == before
+    options.shm = "auto"
+    commlib.reduce_scatter(np.ones(1 << 20, np.float32))
+    assert node_shm.COUNTS["reduce_scatter"] == before["reduce_scatter"] + (n > 1)
     if n > 1:
         nw = node_shm.window(commlib.world().comm)
         assert nw.whole and nw.half_bytes == node_shm.SEGMENT_BYTES

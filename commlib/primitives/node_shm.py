@@ -49,9 +49,12 @@ When it is used (:func:`use` and :func:`use_hierarchical`, called by :func:`comm
 :func:`commlib.reduce_scatter`, :func:`commlib.allgather` and :func:`commlib.broadcast`):
 a blocking call (``async_op=True`` stays on MPI), on host memory (numpy arrays, CPU torch
 tensors, and the host staging of GPU buffers), when every rank of the communicator is on
-one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer has at least
-:data:`MIN_BYTES` of that operation (measured crossover, see ``benchmarks/README.md``);
-``COMMLIB_SHM=1`` takes it at any size, ``COMMLIB_SHM=0`` never. The decision depends only
+one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer's size is in one of
+the ranges of :data:`AUTO_RANGES` for that operation, where it beat MPI in
+``benchmarks/bench_collectives.py --shm`` (allreduce from 16 KiB to 2 MiB and from 32 MiB
+on, reduce_scatter from 256 KiB on; allgather and broadcast never: MPI's single-copy
+transfers move fewer bytes); ``COMMLIB_SHM=1`` takes it at any size, ``COMMLIB_SHM=0``
+never. The decision depends only
 on what every rank passes alike (size, dtype, kind of memory), so every rank takes the same
 path; ``COMMLIB_SHM`` must be set alike on every rank.
 
@@ -88,13 +91,23 @@ from ._base import finish_reduce
 
 #: Bytes of one half of a rank's segment: the most one step moves per rank (the window
 #: holds 2 x this per rank). 1 MiB: at 2 ranks the step's working set stays in the L2/L3
-#: caches (measured: 256 KiB-4 MiB within 10% at 64 MiB; see benchmarks/README.md).
+#: caches.
 SEGMENT_BYTES = 1 << 20
-#: With ``COMMLIB_SHM=auto``: the smallest buffer (bytes, per rank) each operation takes
-#: through shared memory; below, MPI's own shared-memory path is as fast or faster
-#: (measured at 2 ranks, MPICH, Open MPI and Intel MPI: benchmarks/README.md).
-MIN_BYTES = {"allreduce": 16 << 10, "reduce_scatter": 16 << 10, "allgather": 16 << 10,
-             "broadcast": 16 << 10}
+#: With ``COMMLIB_SHM=auto``: per operation, the ``[low, high)`` buffer sizes (bytes per
+#: rank; ``high`` None: no bound) it takes through shared memory. Measured at 2 ranks on
+#: the development machine with MPICH 5.0.2 on a quiet machine (benchmarks/README.md,
+#: "Shared memory inside a node"): allreduce wins from 16 KiB (one barrier and two copies
+#: against MPI's protocol) to 1 MiB, loses from 2 to 16 MiB where MPI's buffers stay in
+#: the 32 MiB L3 and its single-copy transfers move fewer bytes, and wins 3x at 64 MiB
+#: (MPI falls to 2.4 GB/s busbw out of the cache, the tier keeps its 1 MiB steps in it);
+#: reduce_scatter wins 1.4-3.8x from 256 KiB on; allgather and broadcast never win at 2
+#: ranks (MPI's single-copy transfers: one copy per byte against the tier's two).
+AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "allreduce": ((16 << 10, 2 << 20), (32 << 20, None)),
+    "reduce_scatter": ((256 << 10, None),),
+    "allgather": (),
+    "broadcast": (),
+}
 #: Allreduce steps of at most this many bytes are reduced whole by every rank (one barrier
 #: instead of two; see :func:`reduce_all`).
 WHOLE_STEP_BYTES = 64 << 10
@@ -239,6 +252,15 @@ def _make(comm: Communicator, local: Communicator,
     return nw
 
 
+def auto(op: str, nbytes: int) -> bool:
+    """Whether ``COMMLIB_SHM=auto`` takes ``op`` of ``nbytes`` bytes per rank through
+    shared memory (:data:`AUTO_RANGES`)."""
+    for low, high in AUTO_RANGES[op]:
+        if nbytes >= low and (high is None or nbytes < high):
+            return True
+    return False
+
+
 def use_hierarchical(comm: Communicator, buf: Buf) -> bool:
     """Whether the blocking hierarchical allreduce of ``buf`` takes its node tier through
     shared memory (:func:`hierarchical_allreduce`): as :func:`use`, when every node of
@@ -248,7 +270,8 @@ def use_hierarchical(comm: Communicator, buf: Buf) -> bool:
     if setting == "0" or comm.size < 2 or buf.mem.__class__ is not np.ndarray:
         return False
     nbytes = buf.count * buf.dt.itemsize
-    if setting == "auto" and not MIN_BYTES["allreduce"] <= nbytes < HIERARCHICAL_MAX_BYTES:
+    if setting == "auto" and not (auto("allreduce", nbytes) and
+                                  nbytes < HIERARCHICAL_MAX_BYTES):
         return False
     nw = window(comm)
     return nw is not None and nw.every_node
@@ -261,7 +284,7 @@ def use(comm: Communicator, buf: Buf, op: str) -> bool:
     setting = options.shm
     if setting == "0" or comm.size < 2 or buf.mem.__class__ is not np.ndarray:
         return False
-    if setting == "auto" and buf.count * buf.dt.itemsize < MIN_BYTES[op]:
+    if setting == "auto" and not auto(op, buf.count * buf.dt.itemsize):
         return False
     nw = window(comm)
     return nw is not None and nw.whole
