@@ -7,8 +7,8 @@ equal-layers split, on the GPT workload of ``benchmarks/gpt.py``.
 **Balance** (every rank, one process's measurement printed by rank 0): for each stage
 count S the automatic cut (``balance="time"``) and the equal-layers split (the embedding
 with the first blocks, ``layers / S`` blocks per stage, the head with the last) are each
-timed stage by stage on one micro-batch: forward + backward of the stage alone, median of
-``--reps`` (stages alternate within each repetition). The table gives each stage's time,
+timed stage by stage on one micro-batch: forward + backward of the stage alone, the least
+of ``--reps`` (stages alternate within each repetition), the median of 3 such rounds. The table gives each stage's time,
 the slowest over the mean, and the slowest over the automatic cut's slowest.
 
 **Steps** (``--steps k`` under mpiexec at D ranks, S = D): a 1F1B :class:`Pipeline` of each
@@ -44,7 +44,8 @@ def equal_layers(model: torch.nn.Module, stages: int, x: torch.Tensor, me) -> li
 
 
 def stage_times(stages: list, x: torch.Tensor, reps: int) -> list:
-    """Median seconds of forward + backward of each stage alone on ``x``."""
+    """Seconds of forward + backward of each stage alone on ``x``: the least of ``reps``
+    (other processes only ever add time)."""
     inputs, h = [], x
     with torch.no_grad():
         for s in stages:
@@ -62,7 +63,7 @@ def stage_times(stages: list, x: torch.Tensor, reps: int) -> list:
             samples[k].append(time.perf_counter() - t0)
             for p in s.parameters():
                 p.grad = None
-    return [statistics.median(v[1:]) for v in samples]
+    return [min(v[1:]) for v in samples]
 
 
 def step_time(stages: list, x: torch.Tensor, y: torch.Tensor, micro: int, steps: int,
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
     me = commlib.primitives.group_from_ranks([rank])
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"GPT d_model={cfg.d_model} layers={cfg.layers} context={cfg.context}, micro-batch "
-        f"{args.batch} rows; stage times: fwd+bwd alone, median of {args.reps}")
+        f"{args.batch} rows; stage times: fwd+bwd alone, min of {args.reps}, "
+        f"median of 3 rounds; 'predicted': partition()'s summed node times")
     for count in [int(s) for s in args.stages.split(",")]:
         model = gpt.build(cfg)
         t0 = time.perf_counter()
@@ -123,6 +125,9 @@ def main(argv=None) -> int:
             ts = best[key]
             firsts = [cut.nodes[s] for s in cut.starts]
             say(f"  {key:5s} starts {firsts}")
+            b = cut.starts + [len(auto.costs)]
+            pred = [1e3 * sum(auto.costs[i:j]) for i, j in zip(b, b[1:])]
+            say(f"        predicted ms {[round(t, 2) for t in pred]}")
             say(f"        stage ms {[round(1e3 * t, 2) for t in ts]}  max/mean "
                 f"{max(ts) / statistics.mean(ts):.3f}  max/auto max "
                 f"{max(ts) / max(best['auto']):.3f}  sent {cut.boundary_bytes} B")
