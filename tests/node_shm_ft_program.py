@@ -13,7 +13,8 @@ fault-tolerant jobs need there), the collectives take the MPI path and the victi
 before its call at iteration 5 instead.
 Each survivor must get :class:`commlib.PeerFailure`, shrink the world, and finish the
 remaining iterations on the survivors' group (a new window) with exact results. Every rank
-writes ``OUTDIR/shm{r}.json`` (the shared-memory files it maps) after ``init``; each
+writes ``OUTDIR/shm{r}.json`` (the shared-memory files it maps) after ``init`` and again
+after its first collective (the window's file among them); each
 survivor writes ``OUTDIR/rank{r}.json`` (iterations, seconds from the kill's iteration to
 its PeerFailure, shared-memory calls made). ``--no-ft``: fault tolerance off (the control:
 the job must end, by the launcher or the watchdog, never hang).
@@ -94,6 +95,8 @@ while it < ITERS:
     started = time.monotonic()
     try:
         one(group, it)
+        if it == 0:  # again, with the window's file (if it still had a name)
+            write_shm(OUTDIR, me)
         it += 1
     except PeerFailure:
         failures += 1
