@@ -298,6 +298,25 @@ def test_non_tensor_across_a_cut_is_refused_by_name():
         commlib.pipeline.partition(model, 2, x, balance="params")
 
 
+def test_sequential_repeating_a_module():
+    """nn.Sequential(lin, tanh, lin): the repeated Linear is called twice (its weight then
+    travels from the first call's stage to the second's)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).double()
+    seq = torch.nn.Sequential(lin, torch.nn.Tanh(), lin)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for stages in (1, 2, 3):
+        p = commlib.pipeline.partition(seq, stages, x, balance="params")
+        h = x
+        for stage in p:
+            h = stage(h)
+        torch.testing.assert_close(h, seq(x), rtol=0, atol=0)
+        names = [n for s in p for n, _ in s.named_parameters()]
+        assert sorted(names) == ["0.bias", "0.weight"]   # each held once
+        if stages == 3:
+            assert "_0_weight" in p.sent[0]
+
+
 def test_more_stages_than_nodes():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
     with pytest.raises(ValueError, match="exceeds the 2 compute nodes"):

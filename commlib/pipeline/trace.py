@@ -44,8 +44,9 @@ class _NamingTracer(fx.Tracer):
 def _sequential_graph(model: torch.nn.Sequential) -> fx.GraphModule:
     graph = fx.Graph()
     x = graph.placeholder("x")
-    for name, _ in model.named_children():
-        x = graph.call_module(name, (x,))
+    for name, child in model._modules.items():   # (named_children skips repeats)
+        if child is not None:
+            x = graph.call_module(name, (x,))
     graph.output(x)
     return fx.GraphModule(model, graph)
 
@@ -111,13 +112,13 @@ def trace(model: torch.nn.Module) -> fx.GraphModule:
     return _untie(gm)
 
 
-def _functional(node: fx.Node, module: torch.nn.Module, weight: fx.Node) -> Any:
+def _functional(node: fx.Node, module: torch.nn.Module, read: Any) -> Any:
     """``(function, args)`` equal to ``module(node's input)`` (an ``nn.Linear`` or
-    ``nn.Embedding``) with ``weight`` as its weight."""
+    ``nn.Embedding``), its parameters read by ``read(name)`` (a ``get_attr`` node)."""
     x = node.args[0] if node.args else node.kwargs.get("input")
+    weight = read("weight")
     if type(module) is torch.nn.Linear:
-        bias = node.graph.get_attr(_path(node.target, "bias")) if module.bias is not None \
-            else None
+        bias = read("bias") if module.bias is not None else None
         return torch.nn.functional.linear, (x, weight, bias)
     if type(module) is torch.nn.Embedding:
         return torch.nn.functional.embedding, (x, weight, module.padding_idx, module.max_norm,
@@ -170,12 +171,14 @@ def _untie(gm: fx.GraphModule) -> fx.GraphModule:
         if not isinstance(weight, torch.Tensor) or len(owners.get(id(weight), ())) < 2 \
                 or type(module) not in (torch.nn.Linear, torch.nn.Embedding):
             continue
+
+        def read(name: str, node: fx.Node = node, module: torch.nn.Module = module) -> fx.Node:
+            value = getattr(module, name)
+            if id(value) not in first:
+                first[id(value)] = gm.graph.get_attr(_path(node.target, name))
+            return first[id(value)]
         with gm.graph.inserting_before(node):
-            w = first.get(id(weight))
-            if w is None:
-                w = gm.graph.get_attr(_path(node.target, "weight"))
-                first[id(weight)] = w
-            call = _functional(node, module, w)
+            call = _functional(node, module, read)
             new = gm.graph.call_function(call[0], call[1])
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
