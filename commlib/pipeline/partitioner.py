@@ -138,7 +138,7 @@ def partition(model: torch.nn.Module, num_stages: int, example_inputs: Any,
                          f"{num_stages} must be a multiple of the group's {grp.size} ranks "
                          f"(one stage per rank; 'chunks' per rank under 'interleaved')")
     example = _example(example_inputs, rank)
-    gm = trace(model)
+    gm = trace(model, where('pipeline.partition', rank))
     infos = profile(gm, example, balance == "time", repeats)
     n = len(infos)
     if num_stages > n:

@@ -51,29 +51,29 @@ def _sequential_graph(model: torch.nn.Sequential) -> fx.GraphModule:
     return fx.GraphModule(model, graph)
 
 
-def trace(model: torch.nn.Module) -> fx.GraphModule:
+def trace(model: torch.nn.Module, prefix: str = PREFIX) -> fx.GraphModule:
     """``model`` as a GraphModule whose parameters, buffers and submodules are ``model``'s
-    own objects (nothing is copied). Raises ``TypeError`` naming the innermost module that
+    own objects (nothing is copied); errors start with ``prefix``. Raises ``TypeError`` naming the innermost module that
     fx cannot trace, and ``ValueError`` for a forward with more than one tensor input (the
     pipeline feeds its first stage one tensor) or an output that is not one tensor."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{PREFIX}: argument 'model' must be a torch.nn.Module, got "
+        raise TypeError(f"{prefix}: argument 'model' must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
     if type(model) is torch.nn.Sequential:
         if len(model) == 0:
-            raise ValueError(f"{PREFIX}: argument 'model' is an empty nn.Sequential")
+            raise ValueError(f"{prefix}: argument 'model' is an empty nn.Sequential")
         return _untie(_sequential_graph(model))
     params = list(inspect.signature(model.forward).parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if not positional:
-        raise ValueError(f"{PREFIX}: forward of {type(model).__name__} takes no positional "
+        raise ValueError(f"{prefix}: forward of {type(model).__name__} takes no positional "
                          f"input; the pipeline feeds its first stage one tensor")
     concrete = {}
     for p in params[1:]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         if p.default is inspect.Parameter.empty:
-            raise ValueError(f"{PREFIX}: forward of {type(model).__name__} needs input "
+            raise ValueError(f"{prefix}: forward of {type(model).__name__} needs input "
                              f"{p.name!r} besides {positional[0].name!r}; the pipeline "
                              f"feeds its first stage one tensor (give the others defaults)")
         concrete[p.name] = p.default
@@ -82,7 +82,7 @@ def trace(model: torch.nn.Module) -> fx.GraphModule:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:   # fx raises many kinds (TraceError, TypeError, ...)
         inner = tracer.stack[-1] if tracer.stack else "the top-level module"
-        raise TypeError(f"{PREFIX}: torch.fx cannot trace {type(model).__name__}: the error "
+        raise TypeError(f"{prefix}: torch.fx cannot trace {type(model).__name__}: the error "
                         f"arose in module {inner!r}: {type(exc).__name__}: {exc}. Make it "
                         f"traceable (no data-dependent control flow) or pass an "
                         f"nn.Sequential of its parts") from exc
@@ -98,14 +98,14 @@ def trace(model: torch.nn.Module) -> fx.GraphModule:
                 todo.extend(node.users)
         if any(u not in reach for node in reach for u in node.users) or \
                 any(node.op == "output" for node in reach):
-            raise ValueError(f"{PREFIX}: forward of {type(model).__name__} uses input "
+            raise ValueError(f"{prefix}: forward of {type(model).__name__} uses input "
                              f"{extra.name!r}; the pipeline feeds its first stage one tensor")
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
         for node in sorted(reach, key=order.get, reverse=True):
             gm.graph.erase_node(node)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     if not isinstance(out.args[0], fx.Node):
-        raise ValueError(f"{PREFIX}: forward of {type(model).__name__} returns "
+        raise ValueError(f"{prefix}: forward of {type(model).__name__} returns "
                          f"{type(out.args[0]).__name__}; a pipeline's last stage returns one "
                          f"tensor")
     gm.recompile()
