@@ -8,7 +8,8 @@ equal-layers split, on the GPT workload of ``benchmarks/gpt.py``.
 count S the automatic cut (``balance="time"``) and the equal-layers split (the embedding
 with the first blocks, ``layers / S`` blocks per stage, the head with the last) are each
 timed stage by stage on one micro-batch: forward + backward of the stage alone, the least
-of ``--reps`` (stages alternate within each repetition), the median of 3 such rounds. The table gives each stage's time,
+of ``--reps`` (stages alternate within each repetition), the median of 3 such rounds. The
+table gives each stage's time beside partition()'s prediction (its summed node times),
 the slowest over the mean, and the slowest over the automatic cut's slowest.
 
 **Steps** (``--steps k`` under mpiexec at D ranks, S = D): a 1F1B :class:`Pipeline` of each

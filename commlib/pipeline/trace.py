@@ -53,9 +53,10 @@ def _sequential_graph(model: torch.nn.Sequential) -> fx.GraphModule:
 
 def trace(model: torch.nn.Module, prefix: str = PREFIX) -> fx.GraphModule:
     """``model`` as a GraphModule whose parameters, buffers and submodules are ``model``'s
-    own objects (nothing is copied); errors start with ``prefix``. Raises ``TypeError`` naming the innermost module that
+    own objects (nothing is copied). Raises ``TypeError`` naming the innermost module that
     fx cannot trace, and ``ValueError`` for a forward with more than one tensor input (the
-    pipeline feeds its first stage one tensor) or an output that is not one tensor."""
+    pipeline feeds its first stage one tensor) or an output that is not one tensor; error
+    messages start with ``prefix``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{prefix}: argument 'model' must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
