@@ -148,6 +148,18 @@ def record_exit(status: int, how: str) -> None:
     _exit_status = (status, how)
 
 
+def leaving() -> bool:
+    """Whether this rank is on its way out or handling an exception: it called
+    ``sys.exit`` (in the main thread), announced its exit, or an exception is being handled
+    by the calling thread (a framework's teardown inside ``except``). A collective started
+    now may never be joined by the others (they are still training): layers that would free
+    something collectively (``MPI_Win_free``) leave it to the end of the process instead."""
+    if _exit_status is not None or sys.exc_info()[0] is not None:
+        return True
+    ex = _state
+    return ex is not None and ex.sends is not None
+
+
 def announce_exit(status: int | None = None, how: str | None = None) -> None:
     """Tell every other rank now that this rank is leaving the program (``status``/``how``
     default to what :func:`record_exit` recorded): from here on it takes part only in the

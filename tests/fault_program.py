@@ -47,6 +47,8 @@ def main(mode: str) -> None:
             sys.exit(3)
         elif mode == "exit0":
             sys.exit(0)
+        elif mode == "exit_shm":   # the others make the shared-memory window meanwhile
+            sys.exit(4)
         elif mode == "exit_busy":
             time.sleep(1)  # the others are computing by now
             sys.exit(2)
@@ -58,6 +60,8 @@ def main(mode: str) -> None:
             commlib.broadcast(np.ones(7))
     elif mode == "exit_busy":
         time.sleep(60)  # local work, no collective: rank 1 leaves meanwhile
+    if mode == "exit_shm":   # 64 KiB: in COMMLIB_SHM=auto's range, the window's first use
+        x = np.ones(8192)
     for _ in range(steps):
         commlib.allreduce(x)
     if mode == "early" and rank == 1:

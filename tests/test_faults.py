@@ -69,6 +69,7 @@ def test_faulty_rank_ends_the_job(mode):
     ("exit0", 72, "sys.exit(0)"),               # status 0, the others still train
     ("early", 72, "its script ended"),          # fewer batches: its script simply ends
     ("exit_busy", 2, "sys.exit(2)"),            # the others compute alone meanwhile
+    ("exit_shm", 4, "sys.exit(4)"),             # the others make the node's shm window
 ])
 def test_rank_leaving_alone_ends_the_job_at_default_settings(mode, status, how):
     """Measured before: rank 1 waits in MPI_Finalize, the others in their collective or in

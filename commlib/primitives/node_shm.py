@@ -80,7 +80,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import accounting
+from .. import accounting, exits
 from ..buffers import Buf
 from ..communicator import Communicator
 from ..dtypes import DType, f32_to_bf16
@@ -179,7 +179,11 @@ class NodeWindow:
         if self.freed:
             return
         self.freed = True
-        if getattr(self.comm, "failed", False):
+        if getattr(self.comm, "failed", False) or exits.leaving():
+            # MPI_Win_free is collective: a rank tearing down on an error path (Lightning's
+            # teardown after sys.exit(1) destroys the process group while rank 0 trains on)
+            # would wait in it forever; the process's end releases the window instead
+            RETIRED.append(self)
             return
         self.segments = []
         self._views = {}
@@ -189,6 +193,10 @@ class NodeWindow:
         if self.leaders is not None:
             self.leaders.Free()
 
+
+#: Windows of communicators freed while this rank was leaving (:func:`commlib.exits.leaving`)
+#: or failed: never freed (``MPI_Win_free`` is collective), kept referenced until the end.
+RETIRED: list["NodeWindow"] = []
 
 _WINDOWS: "weakref.WeakKeyDictionary[Communicator, NodeWindow | None]" = \
     weakref.WeakKeyDictionary()
@@ -202,8 +210,14 @@ def window(comm: Communicator) -> NodeWindow | None:
         return _WINDOWS[comm]
     except KeyError:
         pass
-    local, leaders = comm.node()
-    nw = _make(comm, local, leaders)
+    # collective, under the watchdog like any blocking call: a peer that left (or never
+    # comes) ends the job through the exit agreement or the timeout, not a silent hang
+    comm.arm("shared-memory window", "the node's shared-memory window")
+    try:
+        local, leaders = comm.node()
+        nw = _make(comm, local, leaders)
+    finally:
+        comm.disarm()
     _WINDOWS[comm] = nw
     if nw is not None:
         comm.on_free.append(nw.free)
