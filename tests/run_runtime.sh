@@ -57,6 +57,11 @@ fi
 # Only the files that hold `mpi`-marked tests: every rank of every run collects what it is
 # given, and the others' modules (and what they import) would only be skipped.
 mapfile -t MPI_FILES < <(grep -l 'mark\.mpi' tests/test_*.py)
+# MPI_EXCLUDE (space-separated paths): files left out of the multi-rank phases (run_all.sh:
+# the numerics of algorithms and front-ends on the other runtimes, covered on the first)
+if [ -n "${MPI_EXCLUDE:-}" ]; then
+  mapfile -t MPI_FILES < <(printf '%s\n' "${MPI_FILES[@]}" | grep -vxF -f <(tr ' ' '\n' <<< "$MPI_EXCLUDE" | sed '/^$/d'))
+fi
 [ "${#MPI_FILES[@]}" -gt 0 ] || { echo "=== no mpi-marked test files found"; exit 1; }
 for n in 2 3 4; do
   has "$n" || continue
