@@ -43,12 +43,12 @@ def message_bytes(algorithm: str, module: Any, kwargs: dict[str, Any]) -> int | 
         return sum(layout([p.numel()], a["chunk_size"], a["density"], a["value_bits"]).nbytes
                    for p in params)
     if algorithm == "muloco":
-        from commlib.algorithms.muloco import MuLoCo
+        from commlib.algorithms.muloco import MuLoCo, _int2_nbytes
         a = {k: v.default for k, v in inspect.signature(MuLoCo).parameters.items()}
         a.update(kwargs)
         if a["compression"] != "int2":
             return None
-        return sum(20 + math.ceil(p.numel() / 4) for p in params)   # muloco's int2 message
+        return sum(_int2_nbytes(p.numel()) for p in params)   # muloco's own int2 sizes
     if algorithm == "demo":
         from commlib.algorithms.demo import DeMo, bytes_per_step
         a = {k: v.default for k, v in inspect.signature(DeMo).parameters.items()}
