@@ -253,6 +253,20 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.static_graph = True
         self._hooks.mode = STATIC
 
+    def prepare_for_backward(self, outputs: Any, sync: bool = True) -> None:
+        """Decide at backward time, not at forward time, whether the next backward pass
+        exchanges: ``sync=True`` makes it end an iteration and exchange the gradients
+        accumulated since the last exchange (as a backward outside :meth:`no_sync`),
+        ``sync=False`` makes it accumulate only. ``outputs`` are those of the forward whose
+        backward comes next (they tell, with ``find_unused_parameters``, which parameters
+        it reaches). For callers that run several forwards before their backwards in an
+        order of their own, e.g. a pipeline schedule (torch's reducer has the same
+        ``prepare_for_backward``): call it right before each backward. Local; the ranks of
+        the group must make the same choices in the same order."""
+        reached = (reached_parameters(outputs)
+                   if self.find_unused_parameters and not self.static_graph else None)
+        self._hooks.expect_backward(reached, sync=bool(sync))
+
     def average_parameters(self) -> None:
         """Collective: replace every parameter by its average over the group (e.g. to make
         decentralized or local-SGD replicas equal before evaluation or saving). Runs the

@@ -45,6 +45,11 @@ class Pipeline(torch.nn.Module):
     ranks of an exchange must agree on which parameters require grad (same modules).
     Buffers (e.g. BatchNorm statistics) are not exchanged: under Chimera each replica of
     a stage updates its own from its half of the micro-batches.
+    A stage may be a :class:`commlib.DistributedDataParallel` (any object with its
+    ``prepare_for_backward(outputs, sync)``) over a data-parallel group, instead of
+    ``dp_group``: its gradients are then exchanged by its algorithm during the stage's
+    last backward of the step on this rank (overlapping the rest of the schedule); the
+    earlier backwards only accumulate.
     Activation shapes are agreed by one metadata message per activation on the first step
     for each input shape, then every receive is posted when the step starts.
 
@@ -106,6 +111,10 @@ class Pipeline(torch.nn.Module):
         self._all = stages
         self.local_ids = sorted({s for _, s in self.schedule.stages_of(rank)})
         self.local_stages = torch.nn.ModuleList([stages[s] for s in self.local_ids])
+        # each stage's last backward on this rank: where a stage that exchanges its own
+        # gradients (a DistributedDataParallel wrapper) exchanges them
+        self._last_backward = {a.stage: (a.pipe, a.micro) for a in self.actions
+                               if a.kind == "backward"}
         if broadcast_weights:
             for s, module in enumerate(stages):
                 src = self.schedule.rank_of(0, s)
@@ -237,6 +246,9 @@ class Pipeline(torch.nn.Module):
                 p, s, m = a.pipe, a.stage, a.micro
                 x, y = ctx.pop((p, s, m))
                 grad = None if s == last else inbox.pop((p, s + 1, m, "grad"))
+                prepare = getattr(self._all[s], "prepare_for_backward", None)
+                if prepare is not None and y.requires_grad:
+                    prepare(y, sync=self._last_backward[s] == (p, m))
                 if y.requires_grad:
                     torch.autograd.backward(y, grad)
                 if s > 0:
