@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
+import commlib.mpi_impl  # noqa: E402
 import gpt  # noqa: E402
 
 
@@ -93,7 +94,12 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the step times here (rank 0)")
     p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--torch", action="store_true",
+                   help="with --steps: also torch.distributed.pipelining's own splitter "
+                        "(pipeline() with an equal-layers split_spec) and Schedule1F1B "
+                        "over gloo")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     commlib.init()
@@ -105,6 +111,7 @@ def main(argv=None) -> int:
     x = torch.randint(0, 256, (args.batch, args.context), generator=g)
     me = commlib.primitives.group_from_ranks([rank])
     say = print if rank == 0 else (lambda *a, **k: None)
+    rows: list = []
     say(f"GPT d_model={cfg.d_model} layers={cfg.layers} context={cfg.context}, micro-batch "
         f"{args.batch} rows; stage times: fwd+bwd alone, min of {args.reps}, "
         f"median of 3 rounds; 'predicted': partition()'s summed node times")
@@ -145,17 +152,78 @@ def main(argv=None) -> int:
                 stages[key] = commlib.pipeline.partition(
                     gpt.build(cfg), count, x, balance="params",
                     cuts=[int(s) for s in starts[1:]])
-            steps = {"auto": [], "equal": []}
+            keys = ["auto", "equal"]
+            torch_step = None
+            if args.torch:
+                torch_step = torch_pipeline(cfg, count, x, args.micro)
+                keys.append("torch")
+            steps: dict = {k: [] for k in keys}
             for _ in range(args.steps):
-                for key in ("auto", "equal"):
-                    steps[key].append(step_time(list(stages[key]), xs, ys, args.micro,
-                                                args.steps, pipes, key))
-            a, e = statistics.median(steps["auto"]), statistics.median(steps["equal"])
-            say(f"  1F1B step at {n} ranks, {args.micro} micro-batches: auto {a * 1e3:.1f} ms,"
-                f" equal {e * 1e3:.1f} ms, equal/auto {e / a:.3f}")
+                for key in keys:
+                    if key == "torch":
+                        steps[key].append(torch_step(xs, ys))
+                    else:
+                        steps[key].append(step_time(list(stages[key]), xs, ys, args.micro,
+                                                    args.steps, pipes, key))
+            med = {k: statistics.median(v) for k, v in steps.items()}
+            a = med["auto"]
+            say(f"  1F1B step at {n} ranks, {args.micro} micro-batches: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
+                + "; " + ", ".join(f"{k}/auto {v / a:.3f}" for k, v in med.items()
+                                   if k != "auto"))
+            if args.json and rank == 0:
+                rows.append({"stages": count, "ranks": n, "micro_batches": args.micro,
+                             "step_s": med, "samples_s": steps})
             for pipe in pipes.values():
                 pipe.close()
+    if args.json and rank == 0:
+        import json
+        Path(args.json).write_text(json.dumps(
+            {"benchmark": "bench_partition", "size": args.size, "layers": args.layers,
+             "context": args.context, "batch": args.batch, "ranks": n,
+             "mpi": commlib.mpi_impl.library_version().splitlines()[0],
+             "note": "ranks share this machine's 2 cores: compare ratios within one run",
+             "steps": rows}, indent=1))
     return 0
+
+
+def torch_pipeline(cfg, count: int, x: torch.Tensor, micro: int):
+    """torch.distributed.pipelining's own splitter on the same model: ``pipeline()``
+    traced with a split_spec that starts a stage every ``layers / count`` blocks (torch
+    2.13 ships no automatic split policy: its documentation writes the split points by
+    hand, as here), this rank's stage built over gloo, run by ``Schedule1F1B``. Returns a
+    function (inputs, targets) -> the step's seconds (the slowest rank's)."""
+    from torch.distributed import pipelining as tpp
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from torch_gloo import gloo_world
+    gloo = gloo_world()
+    rank = commlib.get_rank()
+    model = gpt.build(cfg)
+    spec = {f"blocks.{k * cfg.layers // count}": tpp.SplitPoint.BEGINNING
+            for k in range(1, count)}
+    pipe = tpp.pipeline(model, mb_args=(x,), split_spec=spec)
+    stage = pipe.build_stage(rank, torch.device("cpu"), group=gloo)
+
+    def loss_fn(out, t):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                                 t.reshape(-1))
+    sched = tpp.Schedule1F1B(stage, micro, loss_fn=loss_fn)
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> float:
+        commlib.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            sched.step(xs)
+        elif rank == count - 1:
+            sched.step(target=ys)
+        else:
+            sched.step()
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        commlib.allreduce(took, op=commlib.ReduceOp.MAX)
+        return float(took[0])
+    step(torch.randint(0, 256, (x.shape[0] * micro, x.shape[1])),
+         torch.randint(0, 256, (x.shape[0] * micro, x.shape[1])))   # warm-up
+    return step
 
 
 if __name__ == "__main__":
