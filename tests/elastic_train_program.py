@@ -25,6 +25,8 @@ ranks alive). Fault ``F`` on victim ``R_i`` at step ``K_i``:
              then behaves as if its wait had been given up on (raises ``PeerFailure`` before
              applying it): rank 1 is one average behind the others, with its own optimizer
              state of step ``K`` (local_sgd never averages it)
+``idlekill`` (with ``--spares``) the victim, a spare, SIGKILLs itself while standing by,
+             once rank 0 has committed step ``K``
 ``none``     no fault
 
 ``--reference C1[,C2]``: no fault tolerance, no failure: the same training, with the
@@ -36,6 +38,10 @@ survivors must match exactly. ``--scenarios JSON``: several such references in o
 without failure), one after the other from the initial model, each written to
 ``OUTDIR/<name>/`` (one job instead of one per reference: most of a job is startup).
 ``--scale-lr``, ``--min-ranks M``: ``State(scale_lr=True)``, ``run(min_ranks=M)``.
+``--spares K``: ``run(spares=K)`` (the last ``K`` ranks stand by; a spare that joined writes
+``rank{r}.json`` like the others, one released at the end ``spare{r}.json``: its step and
+the pool it knew); ``--skip-spare-state``: a joining spare keeps its own model (the
+negative control of tests/test_elastic_spares.py).
 
 Every rank writes ``OUTDIR/shm{r}.json`` (its MPICH segments); every rank that finishes
 writes ``OUTDIR/rank{r}.json``: final step, the state's ledger (the group size that applied
@@ -71,6 +77,10 @@ parser.add_argument("--scale-lr", action="store_true", help="State(scale_lr=True
 parser.add_argument("--min-ranks", type=int, default=1, help="run(min_ranks=...)")
 parser.add_argument("--scenarios", default="",
                     help="JSON list of references to train one after the other")
+parser.add_argument("--spares", type=int, default=0,
+                    help="run(spares=K): the last K ranks stand by")
+parser.add_argument("--skip-spare-state", action="store_true",
+                    help="a joining spare keeps its own model (negative control)")
 args = parser.parse_args()
 reference = [int(c) for c in args.reference.split(",") if c]
 scenarios = json.loads(args.scenarios) if args.scenarios else []
@@ -100,6 +110,9 @@ from commlib.primitives import ft as _ft  # noqa: E402
 if _ft.joined:  # a replacement spawned by run(replace=True): it is no victim
     plan = {}
 state_module._SKIP_AGREEMENT = args.skip_agreement
+if args.skip_spare_state:
+    from commlib.elastic import spares as _spares_module
+    _spares_module._SKIP_STATE = True
 
 KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
           "local_sgd": {"sync_every": 4}}
@@ -193,6 +206,22 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     st.ledger.append([step + 1, group.size])
     st.commit()
     tr.times.append((st.step, time.time()))
+    if faults and args.fault == "idlekill" and me == 0 and st.step in plan.values():
+        open(os.path.join(args.outdir, f"committed{st.step}"), "w").close()
+
+
+def idle_kill(victim_step: int) -> None:
+    """``idlekill``: this spare SIGKILLs itself (standing by) once rank 0 committed the
+    step."""
+    import threading
+    marker = os.path.join(args.outdir, f"committed{victim_step}")
+
+    def watch() -> None:
+        while not os.path.exists(marker):
+            time.sleep(0.01)
+        die("kill")
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def lag_average() -> None:
@@ -288,8 +317,15 @@ if reference:
         sys.exit(0)
 else:
     hosts = os.environ.get("ELASTIC_HOSTS", "").split(",")  # a dead rank's host, if known
+    if args.fault == "idlekill" and me in plan:
+        idle_kill(plan[me])
     elastic.run(train, state, replace=args.replace, min_ranks=args.min_ranks,
-                spawn_info=lambda dead: {"host": hosts[dead[0]]} if hosts[0] else None)
+                spawn_info=lambda dead: {"host": hosts[dead[0]]} if hosts[0] else None,
+                spares=args.spares)
+    if state.group.rank < 0:  # a spare released at the end
+        with open(os.path.join(args.outdir, f"spare{me}.json"), "w") as f:
+            json.dump({"rank": me, "step": state.step, "spares": state.spares}, f)
+        sys.exit(0)
 run.write(args.outdir)
 if reference:
     commlib.barrier()

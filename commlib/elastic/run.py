@@ -7,13 +7,15 @@ import time
 from typing import Any, Callable
 
 from ..errors import CommError, PeerFailure
-from ..primitives import world
+from ..primitives import ft, world
+from .spares import release, split, stand_by, top_up
 from .state import State
 
 
 def run(train_fn: Callable[[State], Any] | None = None, state: State | None = None, *,
         min_ranks: int = 1, replace: bool = False,
-        spawn_info: Callable[[list[int]], dict] | dict | None = None) -> Any:
+        spawn_info: Callable[[list[int]], dict] | dict | None = None,
+        spares: int = 0) -> Any:
     """Run ``train_fn(state)`` until it returns on every survivor (fault-tolerant mode:
     ``commlib.init(fault_tolerant=True)`` or ``COMMLIB_FAULT_TOLERANT=1``).
 
@@ -30,43 +32,73 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
     ``train_fn`` returned. Also usable as a decorator, ``@run`` (then called with the
     state), or ``@run(min_ranks=2)``.
 
+    ``spares=K`` (launch ``N + K`` ranks, e.g. ``mpiexec -n N+K``): the last ``K`` world
+    ranks are warm spares (:mod:`commlib.elastic.spares`): they run the script up to
+    ``run`` like the others, then wait idle in ``run`` (no share of the training's
+    collectives: ``state.group`` is the first ``N`` ranks). After a trainer's death and
+    the survivors' recovery, one spare per dead trainer joins the survivors' group (after
+    them, in world-rank order), receives the committed state by broadcast and trains:
+    the group is back at ``N`` ranks without a process start. A spare's death while idle
+    is a failure like any other for the trainers (they recover among themselves; the
+    spare leaves the pool). Once the spares are used up, a death is handled as without
+    them (``replace`` or going on shrunk). On every rank ``state.spares`` lists the idle
+    spares as this rank knows them. When training ends, every trainer returns
+    ``train_fn``'s result and tells the idle spares to go; on an idle spare ``run``
+    returns ``None`` (its ``state.group`` is the trainers' group, of which it is not a
+    member: ``state.group.rank == -1``). ``spares`` outside ``0..world size - 1`` raise
+    ``ValueError`` on every rank.
+
     ``replace=True`` (under ``mpiexec``): after each recovery the survivors spawn as many
     ranks as died (:func:`commlib.primitives.group.grow`, running this same script;
     ``spawn_info``: the ``MPI_Info`` of the spawn, or a function of the dead world ranks
     returning it, e.g. to place them on the dead ranks' hosts) and send them the state by
     broadcast; in a spawned process ``run`` first receives that state, then calls
-    ``train_fn`` with the others.
+    ``train_fn`` with the others. With spares: only once no spare is left.
     """
     if train_fn is None:
         return functools.partial(run, min_ranks=min_ranks, replace=replace,
-                                 spawn_info=spawn_info)
+                                 spawn_info=spawn_info, spares=spares)
     if state is None:
         @functools.wraps(train_fn)
         def wrapped(state: State) -> Any:
             return run(train_fn, state, min_ranks=min_ranks, replace=replace,
-                       spawn_info=spawn_info)
+                       spawn_info=spawn_info, spares=spares)
         return wrapped
-    from ..primitives import ft
+    standing_by = False
     if state.group is None:
-        state.__dict__["group"] = world()
-        state.__dict__["target_size"] = state.group.size
-        if ft.joined:  # spawned to replace a dead rank: take the state first
-            _sync(state, None, time.monotonic())
+        if spares and not ft.joined:
+            standing_by = not split(state, int(spares))
+        else:
+            state.__dict__["group"] = world()
+            state.__dict__["target_size"] = state.group.size
+            if ft.joined:  # spawned to replace a dead rank: take the state first
+                _sync(state, None, time.monotonic())
+    failure: PeerFailure | None = None
     while True:
         try:
+            if failure is not None:
+                exc, failure = failure, None
+                recover(state, exc, min_ranks, replace, spawn_info)
+            if standing_by:
+                if not stand_by(state):
+                    return None  # released: training is over
+                standing_by = False
             result = train_fn(state)
             state._settle()
             state.group.barrier()
+            release(state)
             return result
         except PeerFailure as exc:
-            recover(state, exc, min_ranks, replace, spawn_info)
+            failure = exc
 
 
 def recover(state: State, failure: PeerFailure, min_ranks: int = 1, replace: bool = False,
             spawn_info: Any = None) -> None:
     """Collective over the survivors: shrink ``state.group`` and restore the agreed commit
-    (what :func:`run` does after a failure; a failure meanwhile starts it again); with
-    ``replace``, grow back to the state's ``target_size`` and send the newcomers the state."""
+    (what :func:`run` does after a failure; a failure meanwhile starts it again); then
+    merge idle spares (``state.spares``) until the group is back at the state's
+    ``target_size``; with ``replace``, once no spare is left, grow back to it and send the
+    newcomers the state."""
     seen = time.monotonic()
     old_size = state.group.size
     while True:
@@ -82,10 +114,13 @@ def recover(state: State, failure: PeerFailure, min_ranks: int = 1, replace: boo
         except PeerFailure:
             continue  # another death: agree again without it
     state.recoveries[-1].update(failed=list(failure.failed), seconds=time.monotonic() - seen)
+    if state.spares:
+        top_up(state, seen)
     missing = state.target_size - state.group.size
     if replace and missing > 0:
         dead = sorted(r for r in failure.failed if r >= 0)
         info = spawn_info(dead) if callable(spawn_info) else spawn_info
+        ft.become_world(state.group.comm)  # (spares merged or dead: nothing else lives)
         group = state.group.grow(missing, info=info)
         _sync(state, group, seen)
 

@@ -110,6 +110,7 @@ class State:
         d["step"] = 0
         d["group"] = None
         d["target_size"] = 0        # the world size to grow back to (run(replace=True))
+        d["spares"] = []            # idle spares, world ranks (run(spares=K))
         d["policy"] = REPLICATED
         d["_wrapper"] = None
         d["_commits"]: list[_Snapshot] = []

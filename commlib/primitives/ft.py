@@ -116,19 +116,84 @@ def shrink(comm: Communicator, value: Any = 0,
     """Collective over the survivors of the communicator ``comm``: the communicator of the
     members still alive, in the same order, and the :class:`Decision` (see
     :func:`commlib.primitives.group.shrink`, which makes a group of it)."""
-    ag = agreement()
-    universe = tuple(comm.world_ranks)
     limit = float(options.timeout if timeout is None else timeout)
+    mpi, decision, known = _agree_and_create(
+        tuple(comm.world_ranks), value, limit, frozenset(getattr(comm.mpi, "known_dead", ())),
+        CREATE_TAG_BASE)
+    name = f"{comm.name}/shrunk{len(decision.dead)}"
+    new = Communicator(fault_tolerance.adopt(mpi, known, name), comm.watchdog, name,
+                       decision.members)
+    if comm is runtime._world:
+        runtime._world = new
+    return new, decision
+
+
+#: Tags of the communicator creations of :func:`assemble` (apart from the shrinks': a
+#: creation given up on stays inside MPI and must never match a later one).
+ASSEMBLE_TAG_BASE = 3000
+
+
+def assemble(universe: tuple[int, ...], value: Any = 0, timeout: float | None = None,
+             name: str = "assembled") -> tuple[Communicator, Decision]:
+    """Collective over the living ranks of ``universe`` (world ranks, in order; every
+    caller passes the same ``universe`` and is in it; no communicator is needed in
+    common): they agree as :func:`shrink`'s survivors do (a rank of ``universe`` dead
+    before or during the call is left out, the others agree again) and get the
+    communicator of the living ones, in the order of ``universe``, and the
+    :class:`Decision`. What brings idle ranks (the spares of :mod:`commlib.elastic`) into
+    a group: the group's survivors and the ranks that join call it with the same
+    ``universe``."""
+    universe = tuple(int(r) for r in universe)
+    limit = float(options.timeout if timeout is None else timeout)
+    mpi, decision, known = _agree_and_create(universe, value, limit, frozenset(),
+                                             ASSEMBLE_TAG_BASE)
+    label = f"{name}{list(decision.members)}"
+    new = Communicator(fault_tolerance.adopt(mpi, known, label), runtime.world().watchdog,
+                       label, decision.members)
+    return new, decision
+
+
+def expect_exit(comm: Communicator, ranks: Any) -> None:
+    """The world ranks ``ranks`` (outside ``comm``) are about to leave the program on
+    purpose (released spares): their exit is no failure of ``comm`` (every operation of a
+    fault-tolerant communicator otherwise fails once any rank of the job is gone)."""
+    mpi = comm.mpi
+    outside = frozenset(int(r) for r in ranks) - frozenset(comm.world_ranks)
+    if hasattr(mpi, "known_dead") and outside:
+        mpi.known_dead = frozenset(mpi.known_dead) | outside
+
+
+def become_world(comm: Communicator) -> None:
+    """``comm`` holds every living rank of the world (all others are dead): it is
+    commlib's world from now on (what :func:`shrink` does when it shrinks the world), so
+    that it can :func:`grow`. Raises :class:`CommError` naming the living ranks outside."""
+    old = runtime.world()
+    if comm is old:
+        return
+    gone = frozenset(fault_tolerance.dead()) | frozenset(getattr(comm.mpi, "known_dead", ()))
+    outside = [r for r in old.world_ranks if r not in gone and r not in comm.world_ranks]
+    if outside:
+        raise CommError(f"{where('become_world', comm.rank)}: world rank(s) {outside} are "
+                        f"alive and outside the communicator {list(comm.world_ranks)}")
+    runtime._world = comm
+
+
+def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
+                      prior: frozenset, tag_base: int) -> tuple[Any, Decision, frozenset]:
+    """The survivors' agreement over ``universe`` and their MPI communicator (on the
+    control communicator; see :func:`shrink`); returns it, the decision and the ranks it
+    knows dead (``prior`` among them)."""
+    ag = agreement()
     timeouts = 0
     with _lock:
         while True:
             decision = ag.decide(universe, value, _dead_or_left, limit)
             # Dead before, or outside the group (they do not concern its members), or agreed.
             outside = frozenset(fault_tolerance.dead()) - frozenset(universe)
-            known = frozenset(getattr(comm.mpi, "known_dead", ())) | outside | decision.dead
+            known = prior | outside | decision.dead
             index = {w: i for i, w in enumerate(_ctl_ranks())}
             members = _ctl.Get_group().Incl([index[r] for r in decision.members])
-            tag = CREATE_TAG_BASE + len(decision.dead) * 64 + decision.generation % 64
+            tag = tag_base + len(decision.dead) * 64 + decision.generation % 64
             # names this decision alike on every survivor (and no other decision)
             key = (f"{fault_tolerance.watcher().epoch}/{universe}/"
                    f"{sorted(decision.dead)}/{decision.generation}/{timeouts}")
@@ -149,13 +214,7 @@ def shrink(comm: Communicator, value: Any = 0,
                 continue
             finally:
                 members.Free()
-            break
-    name = f"{comm.name}/shrunk{len(decision.dead)}"
-    new = Communicator(fault_tolerance.adopt(mpi, known, name), comm.watchdog, name,
-                       decision.members)
-    if comm is runtime._world:
-        runtime._world = new
-    return new, decision
+            return mpi, decision, known
 
 
 def grow(comm: Communicator, n: int, command: str | None = None,

@@ -217,6 +217,20 @@ def shrink(group: Group | None = None, value: Any = 0, timeout: float | None = N
     return result
 
 
+def assemble(ranks: Sequence[int], value: Any = 0, timeout: float | None = None) -> Group:
+    """Collective over the living ranks of ``ranks`` (world ranks, in order: every caller
+    passes the same list and is in it; fault-tolerant mode): the group of those alive, in
+    that order, on a new communicator, built by them alone (no common communicator is
+    needed: the survivors of a group and idle ranks joining it call it alike). A rank of
+    ``ranks`` dead before or during the call is left out; ``value`` and the returned
+    group's ``agreement`` are as in :func:`shrink`."""
+    from . import ft
+    new, decision = ft.assemble(tuple(int(r) for r in ranks), value, timeout)
+    result = Group(new, decision.members)
+    result.agreement = decision
+    return result
+
+
 def grow(n: int, group: Group | None = None, command: str | None = None,
          args: list[str] | None = None, info: dict | None = None) -> Group:
     """Collective over the world (every member alive; fault-tolerant mode, under
