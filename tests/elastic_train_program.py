@@ -25,8 +25,8 @@ ranks alive). Fault ``F`` on victim ``R_i`` at step ``K_i``:
              then behaves as if its wait had been given up on (raises ``PeerFailure`` before
              applying it): rank 1 is one average behind the others, with its own optimizer
              state of step ``K`` (local_sgd never averages it)
-``idlekill`` (with ``--spares``) the victim, a spare, SIGKILLs itself while standing by,
-             once rank 0 has committed step ``K``
+``idlekill`` (with ``--spares``) a victim that is a spare SIGKILLs itself while standing
+             by, once rank 0 has committed step ``K``; a victim that trains as ``kill``
 ``none``     no fault
 
 ``--reference C1[,C2]``: no fault tolerance, no failure: the same training, with the
@@ -38,10 +38,11 @@ survivors must match exactly. ``--scenarios JSON``: several such references in o
 without failure), one after the other from the initial model, each written to
 ``OUTDIR/<name>/`` (one job instead of one per reference: most of a job is startup).
 ``--scale-lr``, ``--min-ranks M``: ``State(scale_lr=True)``, ``run(min_ranks=M)``.
-``--spares K``: ``run(spares=K)`` (the last ``K`` ranks stand by; a spare that joined writes
-``rank{r}.json`` like the others, one released at the end ``spare{r}.json``: its step and
-the pool it knew); ``--skip-spare-state``: a joining spare keeps its own model (the
-negative control of tests/test_elastic_spares.py).
+``--spares K``: ``run(spares=K)`` (the last ``K`` ranks stand by; a spare that joined
+writes ``rank{r}.json`` like the others, one released at the end ``spare{r}.json``: its
+step, the pool it knew, the CPU and wall seconds it spent in ``run``);
+``--skip-spare-state``: a joining spare keeps its own model (the negative control of
+tests/test_elastic_spares.py).
 
 Every rank writes ``OUTDIR/shm{r}.json`` (its MPICH segments); every rank that finishes
 writes ``OUTDIR/rank{r}.json``: final step, the state's ledger (the group size that applied
@@ -184,12 +185,14 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     step, group = st.step, st.group
     idx = tr.sampler.indices(step, group.rank, group.size)
     fault = faults and plan.get(me) == step and args.fault
+    if fault == "idlekill":  # a victim that trains is killed as by "kill"
+        fault = "kill"
     out = ddp(X[idx])  # (local_sgd: the pending average first)
     if fault == "lagavg":
         die("kill")
     if fault in ("kill", "exit"):
         hidden = out.grad_fn.next_functions[1][0]  # dies mid-backward, buckets in flight
-        hidden.register_hook(lambda *a: die(args.fault))
+        hidden.register_hook(lambda *a: die(fault))
     loss = torch.nn.functional.mse_loss(out, Y[idx])
     loss.backward()
     if fault == "lag":
@@ -317,14 +320,17 @@ if reference:
         sys.exit(0)
 else:
     hosts = os.environ.get("ELASTIC_HOSTS", "").split(",")  # a dead rank's host, if known
-    if args.fault == "idlekill" and me in plan:
+    if args.fault == "idlekill" and me in plan and me >= n0 - args.spares:
         idle_kill(plan[me])
+    cpu0, wall0 = time.process_time(), time.monotonic()
     elastic.run(train, state, replace=args.replace, min_ranks=args.min_ranks,
                 spawn_info=lambda dead: {"host": hosts[dead[0]]} if hosts[0] else None,
                 spares=args.spares)
-    if state.group.rank < 0:  # a spare released at the end
+    if state.group.rank < 0:  # a spare released at the end: its CPU time inside run()
         with open(os.path.join(args.outdir, f"spare{me}.json"), "w") as f:
-            json.dump({"rank": me, "step": state.step, "spares": state.spares}, f)
+            json.dump({"rank": me, "step": state.step, "spares": state.spares,
+                       "cpu_s": time.process_time() - cpu0,
+                       "wall_s": time.monotonic() - wall0}, f)
         sys.exit(0)
 run.write(args.outdir)
 if reference:

@@ -116,6 +116,8 @@ def _merge(state: State, universe: tuple[int, ...], pick: list[int], rest: list[
     d = state.__dict__
     d["spares"] = list(rest)
     d["group"] = group
+    if not any(r in pick for r in group.ranks):
+        return  # the spares picked are dead: the next ones are picked
     if group.ranks[0] in pick:
         raise CommError(f"commlib.elastic.run (rank {group.rank}): no trainer of "
                         f"{list(universe[:len(universe) - len(pick)])} survived into the "

@@ -95,17 +95,24 @@ class _Pending:
     """``failed``/``failure`` of a communicator being built by the survivors of
     ``decision``, who knew ``known_dead`` dead (for :func:`fault_tolerance.in_thread`)."""
 
-    def __init__(self, decision: Decision, known_dead: frozenset) -> None:
+    def __init__(self, decision: Decision, known_dead: frozenset,
+                 members_only: bool = False) -> None:
         self.decision = decision
         self.known_dead = known_dead
         self.watcher = fault_tolerance.watcher()
+        # only a member's death stops the creation (assemble: deaths outside are agreed)
+        self.scope = frozenset(decision.members) if members_only else None
+
+    def _new(self) -> frozenset:
+        new = self.watcher.dead - self.known_dead
+        return new if self.scope is None else new & self.scope
 
     @property
     def failed(self) -> bool:
-        return bool(self.watcher.dead - self.known_dead)
+        return bool(self._new())
 
     def failure(self, op: str) -> PeerFailure:
-        gone = sorted(self.watcher.dead - self.known_dead)
+        gone = sorted(self._new())
         return PeerFailure(f"commlib.shrink (rank {MPI.COMM_WORLD.Get_rank()}): rank(s) "
                            f"{gone} failed while the survivors built their communicator",
                            failed=gone, world_ranks=self.decision.members)
@@ -142,11 +149,19 @@ def assemble(universe: tuple[int, ...], value: Any = 0, timeout: float | None = 
     communicator of the living ones, in the order of ``universe``, and the
     :class:`Decision`. What brings idle ranks (the spares of :mod:`commlib.elastic`) into
     a group: the group's survivors and the ranks that join call it with the same
-    ``universe``."""
+    ``universe``.
+
+    The ranks outside ``universe`` that the new communicator counts as dead (its failure
+    domain is the whole job, as every fault-tolerant communicator's) are agreed too: every
+    member brings the dead it knows with its value and the communicator knows their union,
+    the same on every member (a survivor of a group knows its dead peer before a joining
+    rank's detector sees it: otherwise that death would fail the communicator on the
+    joining rank alone). A death outside ``universe`` during the creation does not stop it;
+    the communicator has failed then, on every member alike."""
     universe = tuple(int(r) for r in universe)
     limit = float(options.timeout if timeout is None else timeout)
     mpi, decision, known = _agree_and_create(universe, value, limit, frozenset(),
-                                             ASSEMBLE_TAG_BASE)
+                                             ASSEMBLE_TAG_BASE, agreed_dead=True)
     label = f"{name}{list(decision.members)}"
     new = Communicator(fault_tolerance.adopt(mpi, known, label), runtime.world().watchdog,
                        label, decision.members)
@@ -179,17 +194,28 @@ def become_world(comm: Communicator) -> None:
 
 
 def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
-                      prior: frozenset, tag_base: int) -> tuple[Any, Decision, frozenset]:
+                      prior: frozenset, tag_base: int,
+                      agreed_dead: bool = False) -> tuple[Any, Decision, frozenset]:
     """The survivors' agreement over ``universe`` and their MPI communicator (on the
     control communicator; see :func:`shrink`); returns it, the decision and the ranks it
-    knows dead (``prior`` among them)."""
+    knows dead (``prior`` among them). ``agreed_dead`` (:func:`assemble`): the dead outside
+    ``universe`` are the union of those the members know, agreed with the values."""
     ag = agreement()
     timeouts = 0
     with _lock:
         while True:
-            decision = ag.decide(universe, value, _dead_or_left, limit)
-            # Dead before, or outside the group (they do not concern its members), or agreed.
-            outside = frozenset(fault_tolerance.dead()) - frozenset(universe)
+            if agreed_dead:
+                decision = ag.decide(universe, (value, _dead_or_left()), _dead_or_left,
+                                     limit)
+                seen = frozenset().union(*(d for _, d in decision.values.values()))
+                decision = Decision(decision.members, decision.dead,
+                                    {r: v for r, (v, _) in decision.values.items()},
+                                    decision.generation)
+                outside = frozenset(r for r in seen if r not in universe)
+            else:
+                decision = ag.decide(universe, value, _dead_or_left, limit)
+                # Dead before, or outside the group (they do not concern its members).
+                outside = frozenset(fault_tolerance.dead()) - frozenset(universe)
             known = prior | outside | decision.dead
             index = {w: i for i, w in enumerate(_ctl_ranks())}
             members = _ctl.Get_group().Incl([index[r] for r in decision.members])
@@ -199,7 +225,8 @@ def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
                    f"{sorted(decision.dead)}/{decision.generation}/{timeouts}")
             b = backend()
             try:
-                mpi = fault_tolerance.in_thread(_Pending(decision, known), b.create_op,
+                mpi = fault_tolerance.in_thread(_Pending(decision, known, agreed_dead),
+                                                b.create_op,
                                                 b.create, _ctl, members, tag, key,
                                                 limit_s=create_limit())
             except PeerFailure:
