@@ -79,7 +79,21 @@ def sequential_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch
 
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
+    if args.layers:
+        sizes = [int(v) for v in args.layers.split(",")]
+        layers: list[torch.nn.Module] = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers[:-1])
     return WideMLP(width=args.width, depth=args.depth)
+
+
+def input_width(args: argparse.Namespace) -> int:
+    return int(args.layers.split(",")[0]) if args.layers else 784
+
+
+def classes(args: argparse.Namespace) -> int:
+    return int(args.layers.split(",")[-1]) if args.layers else 10
 
 
 def init_gloo() -> Any:
@@ -137,8 +151,8 @@ def contenders(args: argparse.Namespace, x: torch.Tensor,
 
 def bench_steps(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(commlib.get_rank())
-    x = torch.randn(args.batch, 784, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
+    x = torch.randn(args.batch, input_width(args), generator=g)
+    y = torch.randint(0, classes(args), (args.batch,), generator=g)
     steps = contenders(args, x, y)
     grads = torch.zeros(sum(p.numel() for p in make_model(args).parameters()))
     steps["allreduce_alone"] = lambda: commlib.allreduce(grads)
@@ -197,7 +211,7 @@ def bench_buckets(args: argparse.Namespace) -> dict[str, Any]:
             "mean_s": {k: statistics.median(MEANS[k]) for k in times}}
 
 
-def report(steps: dict[str, Any], buckets: dict[str, Any], n: int) -> None:
+def report(steps: dict[str, Any], buckets: dict[str, Any] | None, n: int) -> None:
     t = steps["median_s"]
     means = steps.get("mean_s", {})
     print(f"\ntraining step, {n} ranks (median and mean (total / steps) seconds, slowest "
@@ -222,6 +236,8 @@ def report(steps: dict[str, Any], buckets: dict[str, Any], n: int) -> None:
     print(f"  commlib / (compute_only + allreduce_alone) = {t['commlib'] / bound:.3f}  (the "
           f"bound when no core is free: the\n    exchange's own CPU time, "
           f"{t['allreduce_alone'] * 1e3:.1f} ms, cannot hide behind compute)")
+    if buckets is None:
+        return
     b = buckets["median_s"]
     print(f"\nResNet-18 gradients ({buckets['tensors']} tensors, {buckets['bytes'] / 2**20:.1f} "
           f"MiB, {buckets['buckets']} buckets), {n} ranks:")
@@ -230,13 +246,15 @@ def report(steps: dict[str, Any], buckets: dict[str, Any], n: int) -> None:
               f"{seconds / b['mpi4py_flat']:6.3f}x raw flat mpi4py")
 
 
-def plot(steps: dict[str, Any], buckets: dict[str, Any], n: int, path: str) -> None:
+def plot(steps: dict[str, Any], buckets: dict[str, Any] | None, n: int, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, data, title in ((axes[0], steps["median_s"], f"training step, {n} ranks"),
-                            (axes[1], buckets["median_s"], f"ResNet-18 gradients, {n} ranks")):
+    panels = [(steps["median_s"], f"training step, {n} ranks")]
+    if buckets is not None:
+        panels.append((buckets["median_s"], f"ResNet-18 gradients, {n} ranks"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (data, title) in zip(axes[0], panels):
         names = list(data)
         ax.bar(names, [data[k] * 1e3 for k in names], color="tab:blue")
         ax.set_ylabel("ms (median, slowest rank)")
@@ -251,6 +269,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     p.add_argument("--depth", type=int, default=4, help="hidden layers of the MLP")
+    p.add_argument("--layers", default=None,
+                   help="an MLP of these widths instead, e.g. 1024,4096,4096,1024,10 (issue "
+                        "33's model: 25 M parameters, 100 MB of float32 gradients)")
+    p.add_argument("--no-buckets", action="store_true",
+                   help="skip the ResNet-18 bucketed-allreduce part")
     p.add_argument("--batch", type=int, default=64, help="per-rank batch")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
@@ -271,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     n = commlib.get_world_size()
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // commlib.get_local_size()))
     steps = bench_steps(args)
-    buckets = bench_buckets(args)
+    buckets = None if args.no_buckets else bench_buckets(args)
     if commlib.get_rank() == 0:
         report(steps, buckets, n)
         result = {"ranks": n, "args": vars(args), "steps": steps, "buckets": buckets,
