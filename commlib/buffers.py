@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import accelerator
+from . import accelerator, host_views
 from .dtypes import DType, from_numpy, from_torch, supported
 from .errors import where
 from .options import options
@@ -77,8 +77,11 @@ def adapt(obj: Any, name: str, op: str, rank: int, *, write: bool = False,
           read: bool = True) -> Buf:
     """Prepare ``obj`` for MPI. ``write``: MPI writes into it (in-place result);
     ``read``: MPI reads its current contents (False for pure receive buffers)."""
-    if obj.__class__ is np.ndarray:  # the common case first: every call comes through here
+    cls = obj.__class__
+    if cls is np.ndarray:  # the common cases first: every call comes through here
         return _adapt_numpy(obj, name, op, rank, write)
+    if cls is host_views.plain():
+        return _adapt_torch(obj, name, op, rank, write, read)
     kind = accelerator.kind_of(obj)
     if kind == "numpy":
         return _adapt_numpy(obj, name, op, rank, write)
@@ -93,9 +96,12 @@ def adapt(obj: Any, name: str, op: str, rank: int, *, write: bool = False,
 
 
 def _adapt_numpy(a: np.ndarray, name: str, op: str, rank: int, write: bool) -> Buf:
-    dt = from_numpy(a.dtype)
+    dt = _NUMPY_DTYPES.get(a.dtype)
     if dt is None:
-        raise _bad_dtype(a.dtype, name, op, rank)
+        dt = from_numpy(a.dtype)
+        if dt is None:
+            raise _bad_dtype(a.dtype, name, op, rank)
+        _NUMPY_DTYPES[a.dtype] = dt
     flags = a.flags
     if write and not flags.writeable:
         raise ValueError(f"{where(op, rank)}: argument {name!r} is a read-only array, but "
@@ -110,9 +116,17 @@ def _adapt_numpy(a: np.ndarray, name: str, op: str, rank: int, write: bool) -> B
 
 
 def _adapt_torch(t: Any, name: str, op: str, rank: int, write: bool, read: bool) -> Buf:
-    dt = from_torch(t.dtype)
+    dtype = t.dtype
+    dt = _TORCH_DTYPES.get(dtype)
     if dt is None:
-        raise _bad_dtype(t.dtype, name, op, rank)
+        dt = from_torch(dtype)
+        if dt is None:
+            raise _bad_dtype(dtype, name, op, rank)
+        _TORCH_DTYPES[dtype] = dt
+    if not t.requires_grad and t.is_cpu and t.is_contiguous() and not options.force_staging:
+        # the common case: a contiguous CPU tensor, viewed without a copy (see host_views)
+        mem = host_views.view(t, dtype, dt)
+        return Buf(t, "torch", dt, mem, mem.shape, mem.size)
     if t.requires_grad:
         import torch
         if write and torch.is_grad_enabled():
@@ -127,6 +141,12 @@ def _adapt_torch(t: Any, name: str, op: str, rank: int, write: bool, read: bool)
     if write and contig is not t:
         buf._after = lambda: t.copy_(contig)
     return buf
+
+
+#: numpy / torch dtype -> DType, filled on first use (a dict lookup per call instead of
+#: the functools cache of commlib.dtypes, which formats the dtype's name)
+_NUMPY_DTYPES: dict[Any, DType] = {}
+_TORCH_DTYPES: dict[Any, DType] = {}
 
 
 def torch_host_view(t: Any, dt: DType) -> np.ndarray:

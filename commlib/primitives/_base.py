@@ -2,7 +2,8 @@
 and finishing reductions (AVG division, copy-back of staged or non-contiguous buffers)."""
 from __future__ import annotations
 
-from time import perf_counter, sleep
+from threading import get_ident
+from time import monotonic, perf_counter, sleep
 from typing import Any, Callable
 
 import numpy as np
@@ -13,6 +14,7 @@ from ..buffers import Buf
 from ..communicator import Communicator
 from ..dtypes import bf16_to_f32, f32_to_bf16
 from ..errors import CommError, where
+from ..options import options
 from ..reduce_ops import ReduceOp
 from .work import Work
 
@@ -47,34 +49,58 @@ def blocking(comm: Communicator, op: str, what: Any, fn: Callable, *args: Any) -
     ``seconds``, the timeline). In poll mode (``comm.poll_s > 0``, the same on every rank)
     the call's nonblocking form is started and tested, sleeping ``poll_s`` between tests,
     so a rank that waits leaves its core to the others (calls without one block)."""
-    comm.arm(op, what)
+    return _run(comm, op, what, -1, fn, args)
+
+
+def blocking_counted(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
+                     *args: Any) -> Any:
+    """:func:`blocking`, and the call counted in the byte counters as ``nbytes`` handed to
+    MPI (``accounting.record``), under the same lock as its time: the hot path of small
+    collectives."""
+    return _run(comm, op, what, nbytes, fn, args)
+
+
+def _run(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
+         args: tuple) -> Any:
+    # comm.arm and comm.disarm written out: one thread id, no method calls (every
+    # collective comes through here; see commlib.watchdog for the entry's meaning)
+    armed = comm.watchdog.armed
+    tid = get_ident()
+    armed[tid] = (monotonic() + options.timeout, (op, comm.seq, what, comm))
     t0 = perf_counter()
     try:
-        poll_s = comm.poll_s
-        if poll_s:
-            name = fn.__name__
-            if name in _NONBLOCKING:
-                status, at = None, _STATUS_AT.get(name)
-                if at is not None and len(args) > at:
-                    status, args = args[at], args[:at]
-                if name == "Sendrecv":
-                    # MPICH 5.0.2's MPI_Isendrecv fills the status with a wrong count
-                    # (seen: 1 element for 362): a receive and a send, tested together
-                    send, dst, stag, recv, src, rtag = args
-                    reqs = [comm.mpi.Irecv(recv, src, rtag), comm.mpi.Isend(send, dst, stag)]
-                    statuses = [status if status is not None else MPI.Status(), MPI.Status()]
-                    while not MPI.Request.Testall(reqs, statuses):
-                        sleep(poll_s)
-                    return None
-                req = getattr(comm.mpi, _NONBLOCKING[name])(*args)
-                while not req.Test(status):
-                    sleep(poll_s)
-                return None
+        if comm.poll_s and fn.__name__ in _NONBLOCKING:
+            return _polled(comm, fn, args)
         return fn(*args)
     finally:
         t1 = perf_counter()
-        comm.disarm()
-        accounting.timed(op, t0, t1, comm, what, comm.seq)
+        armed.pop(tid, None)
+        if nbytes < 0:
+            accounting.timed(op, t0, t1, comm, what, comm.seq)
+        else:
+            accounting.record_timed(op, nbytes, comm.size, t0, t1, comm, what, comm.seq)
+
+
+def _polled(comm: Communicator, fn: Callable, args: tuple) -> None:
+    """Poll mode: ``fn``'s nonblocking form, tested every ``comm.poll_s`` seconds."""
+    poll_s = comm.poll_s
+    name = fn.__name__
+    status, at = None, _STATUS_AT.get(name)
+    if at is not None and len(args) > at:
+        status, args = args[at], args[:at]
+    if name == "Sendrecv":
+        # MPICH 5.0.2's MPI_Isendrecv fills the status with a wrong count
+        # (seen: 1 element for 362): a receive and a send, tested together
+        send, dst, stag, recv, src, rtag = args
+        reqs = [comm.mpi.Irecv(recv, src, rtag), comm.mpi.Isend(send, dst, stag)]
+        statuses = [status if status is not None else MPI.Status(), MPI.Status()]
+        while not MPI.Request.Testall(reqs, statuses):
+            sleep(poll_s)
+        return None
+    req = getattr(comm.mpi, _NONBLOCKING[name])(*args)
+    while not req.Test(status):
+        sleep(poll_s)
+    return None
 
 
 def divide(buf: Buf, n: int) -> None:

@@ -5,15 +5,16 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import accounting
+from .. import accounting, runtime
 from ..buffers import Buf, adapt
 from ..communicator import Communicator
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
 from . import node_shm
-from ._base import blocking, finish_reduce, resolve
+from ._base import blocking_counted, finish_reduce, resolve
 from .work import Release, Reserve, Turn, Work
 
 IN_PLACE = MPI.IN_PLACE
+_AVG = ReduceOp.AVG
 
 
 def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
@@ -28,14 +29,21 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     ``None`` takes the group's default. Returns ``tensor`` (or a :class:`Work` whose
     ``wait()`` returns it, with ``async_op=True``).
     """
-    comm = resolve(group, "allreduce")
+    if group is None:
+        comm = runtime._world
+        if comm is None:
+            comm = resolve(None, "allreduce")
+        if hierarchical is None:
+            hierarchical = False
+    else:
+        comm = resolve(group, "allreduce")
+        if hierarchical is None:
+            hierarchical = getattr(group, "hierarchical", False)
     rank = comm.rank
     buf = adapt(tensor, "tensor", "allreduce", rank, write=True)
     if op.__class__ is not ReduceOp:
         op = as_reduce_op(op, "allreduce", rank)
     mop = mpi_op(op, buf.dt, "allreduce", rank)
-    if hierarchical is None:
-        hierarchical = getattr(group, "hierarchical", False)
     comm.seq += 1
     if comm.checking:
         comm.verify("allreduce", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name,
@@ -45,13 +53,16 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
             return node_shm.hierarchical_allreduce(comm, buf, op, mop, tensor)
         work = Work(comm, "allreduce", buf, _hierarchical(comm, buf, op, mop, tensor))
         return work if async_op else work.wait()
-    if not async_op and node_shm.use(comm, buf, "allreduce"):  # one node: shared memory
-        return node_shm.allreduce(comm, buf, op, tensor)
-    accounting.record("allreduce", buf.nbytes, comm.size)
     if async_op:
+        accounting.record("allreduce", buf.nbytes, comm.size)
         return Work(comm, "allreduce", buf, _flat_async(comm, buf, op, mop, tensor))
-    blocking(comm, "allreduce", buf, comm.mpi.Allreduce, IN_PLACE, buf.msg(), mop)
-    finish_reduce(buf, op, comm.size)
+    if node_shm.use(comm, buf, "allreduce"):  # one node: shared memory
+        return node_shm.allreduce(comm, buf, op, tensor)
+    dt = buf.dt
+    blocking_counted(comm, "allreduce", buf, buf.count * dt.host.itemsize, comm.mpi.Allreduce,
+                     IN_PLACE, [buf.mem, buf.count, dt.mpi], mop)
+    if op is _AVG or buf._after is not None or buf._staging is not None:
+        finish_reduce(buf, op, comm.size)
     return tensor
 
 
