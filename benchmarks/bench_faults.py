@@ -17,7 +17,12 @@ restored), committed steps lost (steps missing from, or doubled in, the ledger t
 carries: must be 0) and the steps run again (the step in flight at the kill). With a
 replacement (``--replace yes``): the survivors spawn one on the dead rank's host and send it
 the state; the time is then to the first step completed by all ranks, the replacement
-included (it must start Python and import torch: most of that time).
+included (it must start Python and import torch: most of that time). With warm spares
+(``--spares 1``: ``n + 1`` ranks, ``run(spares=1)``): the spare has imported everything and
+built its model while standing by; it joins the survivors and receives the state by
+broadcast; the time is again to the first step completed by all ``n`` ranks, the spare
+included. A job without failure per cell then reports the trainers' step with an idle spare
+and the spare's CPU share while standing by (its steady-state cost).
 
 **Exactness** (``--exactness RUNS``): ``RUNS`` 4-rank jobs per fault kind (``kill``,
 ``exit``: one rank mid-backward; ``two``: two successive kills; ``lag``: the survivors one
@@ -55,18 +60,22 @@ WIDTHS = {"2MB": 500, "64MB": 2890}  # float64 MLP 16-w-w-4: about w*w parameter
 
 
 def recovery_run(n: int, model: str, steps: int, at: int, timeout: float,
-                 replace: bool = False) -> dict:
+                 replace: bool = False, spares: int = 0) -> dict:
+    """One job of ``n`` trainers (and ``spares`` warm spares: ``n + spares`` ranks), the
+    last trainer SIGKILLed mid-backward of step ``at``."""
     from elastic_common import rank_hosts, results, run_job
-    hosts = rank_hosts(n)  # where a replacement goes ("": the launcher's choice)
+    hosts = rank_hosts(n + spares)  # where a replacement goes ("": the launcher's choice)
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as out:
         status, seconds, text, left = run_job(
-            n, [PROGRAM, out, "--steps", str(steps), "--fault", "kill", "--victims",
-                str(n - 1), "--at", str(at), "--width", str(WIDTHS[model]),
-                "--bucket-mb", "25"] + (["--replace"] if replace else []), timeout,
+            n + spares, [PROGRAM, out, "--steps", str(steps), "--fault", "kill", "--victims",
+                         str(n - 1), "--at", str(at), "--width", str(WIDTHS[model]),
+                         "--bucket-mb", "25", "--spares", str(spares)] +
+            (["--replace"] if replace else []), timeout,
             COMMLIB_TIMEOUT="120", ELASTIC_HOSTS=hosts)
         found = results(out)
         fault_path = os.path.join(out, f"fault{n - 1}.json")
-        if len(found) != n - (0 if replace else 1) or not os.path.exists(fault_path) or left:
+        full = replace or spares
+        if len(found) != n - (0 if full else 1) or not os.path.exists(fault_path) or left:
             return {"ok": False, "status": status, "tail": text[-1500:]}
         with open(fault_path) as f:
             killed = json.load(f)["time"]
@@ -74,17 +83,41 @@ def recovery_run(n: int, model: str, steps: int, at: int, timeout: float,
     before = [t for _, t in found[0]["times"] if t < killed]  # rank 0 survives
     step_s = statistics.median(b - a for a, b in zip(before, before[1:])) \
         if len(before) > 2 else float("nan")
-    if replace:
+    if replace and not spares:
         found = {k: v for k, v in found.items() if k != n - 1}  # the survivors' recovery
+    if spares:  # the survivors' recovery (the spare's record is its merge alone)
+        found = {k: v for k, v in found.items() if k < n}
     ledger = next(iter(found.values()))["ledger"]
     lost = len({s for s, _ in ledger} ^ set(range(1, steps + 1))) + \
         (len(ledger) - len({s for s, _ in ledger}))
     rec = next(iter(found.values()))["recoveries"][0]
-    return {"ok": True, "ranks": n, "model": model, "replace": replace,
+    merged = [x for x in next(iter(found.values()))["recoveries"] if x.get("joined")]
+    return {"ok": True, "ranks": n, "model": model, "replace": replace, "spares": spares,
+            "merge_s": merged[0]["seconds"] if merged else None,
             "kill_to_next_step_s": first_after - killed, "step_s": step_s,
             "recovery_s": max(r["recoveries"][0]["seconds"] for r in found.values()),
             "committed_steps_lost": lost, "agreed_step": rec["step"],
             "steps_rerun": at + 1 - rec["step"], "job_s": seconds}
+
+
+def idle_spare_run(n: int, model: str, steps: int, timeout: float, spares: int) -> dict:
+    """A job of ``n`` trainers and ``spares`` idle spares without failure: the trainers'
+    median step and each spare's CPU share while standing by (CPU seconds / wall seconds
+    inside ``run``)."""
+    from elastic_common import results, run_job
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as out:
+        status, seconds, text, left = run_job(
+            n + spares, [PROGRAM, out, "--steps", str(steps), "--width", str(WIDTHS[model]),
+                         "--bucket-mb", "25", "--spares", str(spares)], timeout,
+            COMMLIB_TIMEOUT="120")
+        found, idle = results(out), results(out, "spare")
+    if len(found) != n or len(idle) != spares or left:
+        return {"ok": False, "status": status, "tail": text[-1500:]}
+    times = [t for _, t in found[0]["times"]]
+    return {"ok": True, "ranks": n, "model": model, "spares": spares,
+            "step_s": statistics.median(b - a for a, b in zip(times, times[1:])),
+            "spare_cpu_share": max(r["cpu_s"] / r["wall_s"] for r in idle.values()),
+            "spare_wall_s": max(r["wall_s"] for r in idle.values()), "job_s": seconds}
 
 
 # Fault kinds of the exactness runs: program arguments (4 ranks, one proxy per rank).
@@ -216,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-recovery", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--replace", default="no,yes", help="with a replacement joining: no,yes")
+    p.add_argument("--spares", type=int, default=0,
+                   help="also cells with this many warm spares (run(spares=K), no spawn), "
+                        "and a job without failure measuring the idle spares' cost")
     p.add_argument("--exactness", type=int, default=0, metavar="RUNS",
                    help="also RUNS jobs per fault kind, each checked bit for bit")
     p.add_argument("--kinds", default=",".join(KINDS),
@@ -254,17 +290,20 @@ def main(argv: list[str] | None = None) -> int:
               "survivors' recovery (s) | a step before the kill (s) | committed steps lost "
               "| steps re-run |")
         print("|---|---|---|---|---|---|---|---|---|")
-        cells = [(n, model, rep == "yes") for rep in args.replace.split(",")
+        modes = [(rep == "yes", 0) for rep in args.replace.split(",") if rep] + \
+            ([(False, args.spares)] if args.spares else [])
+        cells = [(n, model, replace, spares) for replace, spares in modes
                  for n in [int(v) for v in args.ranks.split(",")]
                  for model in args.models.split(",")]
-        for n, model, replace in cells:
-            runs = [recovery_run(n, model, args.steps, args.at, args.timeout, replace)
-                    for _ in range(args.runs)]
+        for n, model, replace, spares in cells:
+            runs = [recovery_run(n, model, args.steps, args.at, args.timeout, replace,
+                                 spares) for _ in range(args.runs)]
             report["recovery"] += runs
             ok = [r for r in runs if r["ok"]]
             span = (lambda k: f"{min(r[k] for r in ok):.2f}-{max(r[k] for r in ok):.2f}"
                     if ok else "-")
-            print(f"| {n} | {model} | {'joins' if replace else 'none'} | {len(ok)}/{len(runs)} "
+            how = f"warm spare ({spares})" if spares else "spawned" if replace else "none"
+            print(f"| {n} | {model} | {how} | {len(ok)}/{len(runs)} "
                   f"| {span('kill_to_next_step_s')} "
                   f"| {span('recovery_s')} | {span('step_s')} | "
                   f"{sorted({r['committed_steps_lost'] for r in ok})} | "
@@ -272,6 +311,20 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs:
                 if not r["ok"]:
                     print(f"  failed run: status {r['status']}: {r['tail'][-400:]}")
+    if args.spares and not args.skip_recovery:
+        report["idle_spares"] = []
+        print(f"\n| ranks | model | spares | trainers' step (s) | idle spare's CPU share |")
+        print("|---|---|---|---|---|")
+        for n in [int(v) for v in args.ranks.split(",")]:
+            for model in args.models.split(","):
+                r = idle_spare_run(n, model, args.steps, args.timeout, args.spares)
+                report["idle_spares"].append(r)
+                if r["ok"]:
+                    print(f"| {n} | {model} | {args.spares} | {r['step_s']:.3f} | "
+                          f"{100 * r['spare_cpu_share']:.1f}% of a core over "
+                          f"{r['spare_wall_s']:.1f} s |", flush=True)
+                else:
+                    print(f"| {n} | {model} | failed: {r['status']} |\n{r['tail'][-600:]}")
     if not args.skip_overhead:
         print("\n| ranks | launch | blocking step (ms) | fault-tolerant step (ms) | ratio |")
         print("|---|---|---|---|---|")

@@ -19,7 +19,10 @@ class ElasticSampler:
     the step they agreed on; no sample of a committed step is read twice, none is skipped.
     The global batch stays the same whatever the world size (with ``DistributedDataParallel``
     averaging gradients over the ranks, the update stays that of the whole global batch when
-    ``batch_size`` divides by the group size). Bound to a :class:`commlib.elastic.State` as
+    ``batch_size`` divides by the group size). With warm spares (``run(spares=K)``) the
+    shards follow the trainers' group alike: idle spares read nothing, and a spare that
+    joined reads the share of its group rank (after the survivors'), so a group back at
+    ``N`` ranks reads each global batch as ``N`` ranks without failure would. Bound to a :class:`commlib.elastic.State` as
     its ``sampler``, iterating yields this rank's index lists from the state's step to the end
     of that step's epoch.
     """
