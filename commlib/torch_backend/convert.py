@@ -14,6 +14,7 @@ _T = dist.ReduceOp.RedOpType
 _OPS = {_T.SUM: ReduceOp.SUM, _T.AVG: ReduceOp.AVG, _T.PRODUCT: ReduceOp.PRODUCT,
         _T.MIN: ReduceOp.MIN, _T.MAX: ReduceOp.MAX, _T.BAND: ReduceOp.BAND,
         _T.BOR: ReduceOp.BOR, _T.BXOR: ReduceOp.BXOR}
+_BY_VALUE = {int(k): v for k, v in _OPS.items()}
 
 
 class UnsupportedOperation(CommError, NotImplementedError):
@@ -33,7 +34,7 @@ def unsupported(op: str, rank: int, detail: str = "") -> UnsupportedOperation:
 def reduce_op(opts: Any, op: str, rank: int) -> ReduceOp:
     """commlib's op for ``opts.reduceOp`` (a ``torch.distributed.ReduceOp``)."""
     try:
-        return _OPS[opts.reduceOp.op]
+        return _BY_VALUE[opts.reduceOp.op.value]  # ints hash fast; the enum does not
     except (AttributeError, KeyError):
         pass
     red = getattr(opts, "reduceOp", opts)

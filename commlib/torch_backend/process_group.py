@@ -45,6 +45,7 @@ class ProcessGroupCommlib(Reductions, dist.ProcessGroup):
         super().__init__(rank, size)
         self.group = group
         self._rank = rank
+        self._size = size
         self._background = progress.background()
         self._names = {"name": "", "desc": ""}
         self._deadlines = GroupDeadlines(timeout, rank, f"process group with world ranks "
@@ -108,17 +109,25 @@ class ProcessGroupCommlib(Reductions, dist.ProcessGroup):
         the operation's return value once it is complete (to copy results out);
         ``result`` is the handle's future value; ``inputs``: the tensors of the profiler
         event (default ``result``)."""
-        self._deadlines.check(op)
-        event = profiling.start(op, result if inputs is None else inputs, self, outputs)
+        deadlines = self._deadlines
+        if deadlines.broken is not None:
+            deadlines.check(op)
+        event = (profiling.start(op, result if inputs is None else inputs, self, outputs)
+                 if profiling.enabled() else None)
         if self._background and getattr(opts, "asyncOp", False):
-            deadline = self._deadlines.deadline()
+            deadline = deadlines.deadline()
             try:
                 pending = call(True)
             except BaseException:
                 profiling.end(event)
                 raise
-            return progress.submit(pending, result, after, self._deadlines, op, deadline,
-                                   event)
+            return progress.submit(pending, result, after, deadlines, op, deadline, event)
+        if event is None:  # no profiler: the common case, without the try
+            value = (call(False) if deadlines.timeout_s >= options.timeout
+                     else self._blocking(op, call))
+            if after is not None:
+                after(value)
+            return done(result)
         try:
             value = self._blocking(op, call)
             if after is not None:

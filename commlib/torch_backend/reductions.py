@@ -19,6 +19,8 @@ from .convert import (as_list, check_count, check_list, dense, divide_truncating
 from .work import done
 
 _SUM = ReduceOp.SUM
+_AVG = ReduceOp.AVG
+_STRIDED = torch.strided
 
 
 class Reductions:
@@ -32,12 +34,22 @@ class Reductions:
         opts = opts or dist.AllreduceOptions()
         op = reduce_op(opts, "all_reduce", self._rank)
         tensors = as_list(tensors)
+        if len(tensors) == 1:
+            t = tensors[0]
+            if t.layout is _STRIDED and (op is not _AVG or t.dtype.is_floating_point):
+                # the common case (one dense tensor, no integer average): no closures
+                # beyond the call itself, no copy of the tensor object unless it needs one
+                if t.requires_grad:
+                    t = t.detach()
+                group = self.group
+                return self._launch("all_reduce", opts,
+                                    lambda a: P.allreduce(t, op, group, a), tensors)
         if tensors and tensors[0].is_sparse:
             return self._sparse_allreduce(tensors, op)
         dense(tensors, "all_reduce", self._rank)
         if len(tensors) == 1:
             t = tensors[0].detach()
-            average, n = integer_average(op, t, "all_reduce", self._rank), self.size()
+            average, n = integer_average(op, t, "all_reduce", self._rank), self._size
 
             def after(_: Any) -> None:
                 divide_truncating(t, n)
