@@ -75,3 +75,18 @@ def pytest_runtest_logreport(report):
     sys.stderr.write(f"\n[rank {comm.Get_rank()} of {comm.Get_size()}] FAILED {report.nodeid} "
                      f"({report.when}):\n{text[-6000:]}\n")
     sys.stderr.flush()
+
+
+def pytest_unconfigure(config):
+    """Open MPI 5's singleton leaves its ``sm_segment`` file in /dev/shm after a normal
+    ``MPI_Finalize`` (plain mpi4py, measured: one file per singleton). commlib's import
+    releases it in every process that imports commlib; pytest-xdist's controller never
+    does, while pytest-mpi initializes MPI in it: release what this process maps (the
+    files of this process only, see commlib.shm)."""
+    if "mpi4py.MPI" in sys.modules and "commlib" not in sys.modules:
+        try:
+            if sys.modules["mpi4py.MPI"].Is_initialized():
+                from commlib.shm import release
+                release()
+        except Exception:  # noqa: BLE001 - cleanup at the end of the session
+            pass
