@@ -143,7 +143,6 @@ import contextlib
 import json
 import os
 import select
-import shlex
 import shutil
 import signal
 import subprocess
@@ -164,6 +163,8 @@ NS_PREFIX = "cl"
 DELAY_TABLE = "100"  # the hub's routing table (and rule preference) towards the delay line
 DELAY_DEV = "dl0"  # the hub's TUN device
 DELAYLINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayline.py")
+# the measurements' own processes (an MPI point-to-point probe, UDP and TCP socket probes)
+PROBES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netsim_probes.py")
 # Highest total rate (Mbit/s: the sum of every node's upload, nodes x rate_mbit) the delay
 # line is measured to carry at the configured rate on the development machine (2 nodes at
 # 1000 Mbit/s both ways at once; see the module docstring); above it the cluster warns.
@@ -604,7 +605,7 @@ class Cluster:
             out = fh.name
         try:
             hosts = [(a, 2)] if a == b else [(a, 1), (b, 1)]
-            argv = [sys.executable, os.path.abspath(__file__), "--probe", out,
+            argv = [sys.executable, PROBES, "--probe", out,
                     "--nbytes", str(nbytes), "--reps", str(reps)]
             code = self.mpiexec(argv, timeout=timeout, hosts=hosts)
             if code:
@@ -618,8 +619,7 @@ class Cluster:
     def _in_node(self, node: int, *args: str) -> list[str]:
         if not self.shaped:
             raise RuntimeError(f"netsim: socket probes need the node namespaces ({self.why})")
-        return ["ip", "netns", "exec", self.namespace(node), sys.executable,
-                os.path.abspath(__file__), *args]
+        return ["ip", "netns", "exec", self.namespace(node), sys.executable, PROBES, *args]
 
     def _serve_and_run(self, b: int, server: list[str], client: list[str],
                        timeout: float) -> tuple[str, str]:
@@ -746,123 +746,6 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-# -- the probe: runs under mpiexec, one rank on each of two nodes --------------------------
-
-def _probe(out: str, nbytes: int, reps: int) -> None:
-    import socket
-    import statistics
-    import time
-
-    import numpy as np
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    data = np.ones(nbytes, dtype=np.uint8)
-    ack = np.zeros(1, dtype=np.uint8)
-
-    def there_and_back(buf: np.ndarray) -> None:
-        """Rank 0 sends ``buf``, rank 1 answers with one byte."""
-        if rank == 0:
-            comm.Send(buf, dest=1)
-            comm.Recv(ack, source=1)
-        else:
-            comm.Recv(buf, source=0)
-            comm.Send(ack, dest=0)
-
-    for _ in range(2):  # warm-up: connection setup, TCP window growth
-        there_and_back(data[: 1 << 20])
-    rates = []
-    for _ in range(reps):
-        comm.Barrier()
-        t = time.perf_counter()
-        there_and_back(data)
-        rates.append(nbytes * 8 / (time.perf_counter() - t) / 1e6)
-    rtts = []
-    for _ in range(50):
-        t = time.perf_counter()
-        there_and_back(ack)
-        rtts.append((time.perf_counter() - t) * 1e3)
-    hosts = comm.gather(socket.gethostname(), root=0)
-    if rank == 0:
-        with open(out, "w") as fh:
-            json.dump({"mbit": max(rates), "mbit_all": rates,
-                       "rtt_ms": statistics.median(rtts), "hosts": hosts}, fh)
-
-
-# -- socket probes (no MPI): run with ``ip netns exec`` in a node by Cluster.measure_* ----
-
-PROBE_PORT = 5201
-
-
-def _udp_echo(addr: str, count: int) -> None:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind((addr, PROBE_PORT))
-        s.settimeout(30)
-        print("ready", flush=True)
-        for _ in range(count):
-            data, peer = s.recvfrom(64)
-            s.sendto(data, peer)
-
-
-def _udp_ping(addr: str, count: int) -> None:
-    import socket
-    import statistics
-    import struct
-    import time
-    rtts, lost = [], 0
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((addr, PROBE_PORT))
-        s.settimeout(2.0)
-        for i in range(count + 3):
-            payload = struct.pack("!Q8x", i)
-            t = time.perf_counter()
-            s.send(payload)
-            try:
-                while s.recv(64) != payload:  # a late answer to an earlier ping
-                    pass
-            except socket.timeout:
-                lost += 1
-                continue
-            if i >= 3:
-                rtts.append((time.perf_counter() - t) * 1e3)
-    if not rtts:
-        raise SystemExit(f"netsim: no UDP answer from {addr}:{PROBE_PORT} in {count} pings")
-    print(json.dumps({"rtt_ms": statistics.median(rtts), "min_ms": min(rtts),
-                      "max_ms": max(rtts), "lost": lost, "count": len(rtts)}))
-
-
-def _tcp_sink(addr: str) -> None:
-    import socket
-    import time
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((addr, PROBE_PORT))
-        s.listen(1)
-        s.settimeout(30)
-        print("ready", flush=True)
-        conn, _ = s.accept()
-        marks, total, buf = [], 0, bytearray(1 << 20)
-        with conn:
-            while n := conn.recv_into(buf):
-                total += n
-                marks.append((time.perf_counter(), total))
-    (t0, _), (t1, n1) = marks[0], marks[-1]
-    half = next((t, n) for t, n in marks if t >= (t0 + t1) / 2)
-    print(json.dumps({"mbit": (n1 - half[1]) * 8 / max(t1 - half[0], 1e-9) / 1e6,
-                      "mbit_total": n1 * 8 / max(t1 - t0, 1e-9) / 1e6, "bytes": n1}))
-
-
-def _tcp_source(addr: str, seconds: float) -> None:
-    import socket
-    import time
-    chunk = bytes(1 << 20)
-    with socket.create_connection((addr, PROBE_PORT), timeout=30) as s:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            s.sendall(chunk)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Build a two-tier cluster, measure it, tear it down.")
     p.add_argument("--nodes", type=int, default=2)
@@ -872,26 +755,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=0.0, help="percent")
     p.add_argument("--cpus", help="one taskset -c list per node, separated by '/': "
                    "'0/1' pins node 0 to CPU 0 and node 1 to CPU 1")
-    p.add_argument("--probe", help=argparse.SUPPRESS)
-    p.add_argument("--udp-echo", help=argparse.SUPPRESS)
-    p.add_argument("--udp-ping", help=argparse.SUPPRESS)
-    p.add_argument("--tcp-sink", help=argparse.SUPPRESS)
-    p.add_argument("--tcp-source", help=argparse.SUPPRESS)
-    p.add_argument("--count", type=int, default=20, help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=4.0, help="TCP stream probe length")
     p.add_argument("--nbytes", type=int, default=16 << 20)
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
-    if args.probe:
-        _probe(args.probe, args.nbytes, args.reps)
-        return 0
-    for mode, run in (("udp_echo", lambda a: _udp_echo(a, args.count)),
-                      ("udp_ping", lambda a: _udp_ping(a, args.count)),
-                      ("tcp_sink", _tcp_sink),
-                      ("tcp_source", lambda a: _tcp_source(a, args.seconds))):
-        if getattr(args, mode):
-            run(getattr(args, mode))
-            return 0
     cpus = args.cpus.split("/") if args.cpus else None
     with two_tier(args.nodes, args.ranks_per_node, args.rate or None, args.delay,
                   args.loss, cpus=cpus) as cluster:
