@@ -114,7 +114,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
 
 class SyncBatchNorm(_BatchNorm):
-    """Batch normalization over the N and spatial dimensions of an (N, C, *) input, with
+    """Batch normalization over the N and spatial dimensions of an ``(N, C, *)`` input, with
     training statistics computed over every rank of ``process_group``.
 
     Same constructor, parameters, buffers and ``state_dict`` as ``torch.nn.SyncBatchNorm``;
@@ -145,7 +145,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        """Normalize ``input`` (N, C, *); see the class docstring for what is collective."""
+        """Normalize ``input`` ``(N, C, *)``; see the class docstring for what is collective."""
         self._check_input_dim(input)
         if input.shape[1] != self.num_features:
             raise ValueError(f"{where('SyncBatchNorm', runtime.get_rank())}: argument "

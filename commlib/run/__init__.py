@@ -1,4 +1,4 @@
-"""``python -m commlib``: run an unmodified torch DDP script on commlib.
+"""``python -m commlib``: run an unmodified torch DDP script on commlib::
 
     mpiexec -n 4 python -m commlib [--algorithm NAME] [--algorithm-config JSON]
                                    [--backend commlib|gloo] train.py ARGS...
