@@ -384,7 +384,7 @@ def compress_sign(x: Array, residual: Array, chunk_size: int = DEFAULT_CHUNK_SIZ
     ``v - decompress_sign(result)``. Start it at zeros. Returns a 1-D uint8 array of
     ``compressed_nbytes(x.size, chunk_size, "sign1")`` bytes on ``x``'s device; ``out``
     and ``impl`` as for ``quantize_minmax_uint8``.
-    Raises ``ValueError`` (residual untouched) if a chunk's mean |v| is not finite. With
+    Raises ``ValueError`` (residual untouched) if a chunk's mean ``|v|`` is not finite. With
     ``nonfinite="nan"`` such chunks are encoded as NaN chunks instead (scale NaN, bits 0;
     they decompress to NaN) and keep their residual; the others are compressed as usual.
     ``residual_out`` (same requirements as ``residual``, not overlapping it): receives the
