@@ -105,6 +105,7 @@ commlib_public_modules = [
     "commlib.pipeline", "commlib.parallel", "commlib.torch_backend", "commlib.horovod",
     "commlib.elastic", "commlib.primitives", "commlib.nn", "commlib.hooks",
     "commlib.timeline", "commlib.run", "commlib.topology", "commlib.mpi_impl",
+    "commlib.launch", "commlib.kernels",
     "commlib.integrations", "commlib.integrations.lightning",
     "commlib.integrations.accelerate",
 ]
