@@ -52,6 +52,7 @@ myst_heading_anchors = 3
 autodoc_default_options = {"undoc-members": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented_params"
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
 autodoc_mock_imports: list[str] = []

@@ -293,3 +293,18 @@ def test_internal_references_must_exist():
     assert not ext._exists("commlib.primitives.no_such_module")
     assert not ext._exists("commlib.algorithms.base.Algorithm.no_such_hook")
     assert not ext._exists("numpy.ndarray")
+
+
+def test_benchmark_results_are_summarised_or_listed():
+    """Every result file gets a table on the benchmarks page; a schema the page does not
+    know falls back to a row with its top-level keys (negative control: a made-up one)."""
+    import json
+    ext = _extension()
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    assert files
+    for path in files:
+        data = json.loads(path.read_text())
+        summary = ext._summarise(data)
+        assert summary is None or summary.strip(), path.name
+    assert ext._summarise({"made": "up", "schema": [1, 2]}) is None
+    assert ext._summarise([1, 2, 3]) is None
