@@ -75,7 +75,10 @@ def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
             lambda: buffers.adapt(obj, "tensor", "allreduce", 0, write=True),
         "  reduce_ops.mpi_op(SUM, float32)": lambda: mpi_op(ReduceOp.SUM, buf.dt, "ar", 0),
         "  comm.checking (options.check lookup)": lambda: comm.checking,
-        "  accounting.record": lambda: counters.record("allreduce", buf.nbytes, n),
+        "  accounting.record (async calls)": lambda: counters.record("allreduce",
+                                                                    buf.nbytes, n),
+        "  accounting.record_timed (blocking calls: counts + seconds)":
+            lambda: counters.record_timed("allreduce", 8, 0.0, 1e-6, comm, buf),
         "  buf.nbytes": lambda: buf.nbytes,
         "  comm.arm + comm.disarm (watchdog)": lambda: (comm.arm("allreduce", buf),
                                                          comm.disarm()),
@@ -116,7 +119,8 @@ def traced(fn: Callable[[Any], Any], obj: Any) -> Any:
 
 def torch_steps(t: Any) -> dict[str, Callable[[], Any]]:
     """What ``buffers.adapt`` does with a CPU torch tensor, step by step."""
-    from commlib import dtypes, options
+    from commlib import dtypes, host_views, options
+    dt = dtypes.from_torch(t.dtype)
     return {
         "torch adapt: dtypes.from_torch(t.dtype)": lambda: dtypes.from_torch(t.dtype),
         "torch adapt: t.requires_grad": lambda: t.requires_grad,
@@ -125,6 +129,8 @@ def torch_steps(t: Any) -> dict[str, Callable[[], Any]]:
         "torch adapt: options.force_staging": lambda: options.force_staging,
         "torch adapt: t.is_contiguous()": lambda: t.is_contiguous(),
         "torch adapt: t.numpy()": lambda: t.numpy(),
+        "torch adapt: host_views.view(t) (cached view)":
+            lambda: host_views.view(t, t.dtype, dt),
         "torch adapt: tuple(t.shape)": lambda: tuple(t.shape),
     }
 

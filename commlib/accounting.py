@@ -29,7 +29,9 @@ import threading
 from typing import Any, Callable
 
 _lock = threading.Lock()
-_counters: dict[str, list[int]] = {}
+#: op -> [calls, bytes, bus_bytes, seconds of the calls counted by record_timed]
+_counters: dict[str, list] = {}
+#: op -> seconds added by timed() (asynchronous operations, the shared-memory tier...)
 _seconds: dict[str, float] = {}
 #: the running :class:`commlib.timeline.Timeline`, or ``None`` (set by commlib.timeline)
 tracer: Any = None
@@ -79,7 +81,7 @@ def record(op: str, nbytes: int, group_size: int) -> None:
     with _lock:
         c = _counters.get(op)
         if c is None:
-            _counters[op] = [1, nbytes, bus]
+            _counters[op] = [1, nbytes, bus, 0.0]
         else:
             c[0] += 1
             c[1] += nbytes
@@ -95,22 +97,23 @@ def timed(op: str, t0: float, t1: float, comm: Any, what: Any, seq: int) -> None
         tracer.collective(op, t0, t1, comm, what, seq)
 
 
-def record_timed(op: str, nbytes: int, group_size: int, t0: float, t1: float, comm: Any,
-                 what: Any, seq: int) -> None:
-    """:func:`record` and :func:`timed` of one blocking call, under one lock (the hot path
-    of small collectives: the same counters, half the locking)."""
-    bus = BUS_FACTOR[op](nbytes, group_size)
-    with _lock:
-        c = _counters.get(op)
-        if c is None:
-            _counters[op] = [1, nbytes, bus]
-        else:
-            c[0] += 1
-            c[1] += nbytes
-            c[2] += bus
-        _seconds[op] = _seconds.get(op, 0.0) + (t1 - t0)
+def record_timed(op: str, nbytes: int, t0: float, t1: float, comm: Any, what: Any) -> None:
+    """:func:`record` and :func:`timed` of one blocking call on ``comm`` (its size is the
+    group size), under one lock: the hot path of small collectives (the same counters;
+    the call's seconds kept beside its counts, so one dict lookup)."""
+    bus = BUS_FACTOR[op](nbytes, comm.size)
+    _lock.acquire()  # not ``with``: its __exit__ call costs as much as the counting
+    c = _counters.get(op)
+    if c is None:
+        _counters[op] = [1, nbytes, bus, t1 - t0]
+    else:
+        c[0] += 1
+        c[1] += nbytes
+        c[2] += bus
+        c[3] += t1 - t0
+    _lock.release()  # nothing above raises (a dict lookup, int and float sums)
     if tracer is not None:
-        tracer.collective(op, t0, t1, comm, what, seq)
+        tracer.collective(op, t0, t1, comm, what, comm.seq)
 
 
 def stats(reset: bool = False) -> dict[str, dict[str, Any]]:
@@ -122,7 +125,7 @@ def stats(reset: bool = False) -> dict[str, dict[str, Any]]:
     """
     with _lock:
         out = {op: {"calls": c[0], "bytes": c[1], "bus_bytes": c[2],
-                    "seconds": _seconds.get(op, 0.0)}
+                    "seconds": c[3] + _seconds.get(op, 0.0)}
                for op, c in _counters.items()}
         if reset:
             _counters.clear()

@@ -79,6 +79,11 @@ def adapt(obj: Any, name: str, op: str, rank: int, *, write: bool = False,
     ``read``: MPI reads its current contents (False for pure receive buffers)."""
     cls = obj.__class__
     if cls is np.ndarray:  # the common cases first: every call comes through here
+        dt = _NUMPY_DTYPES.get(obj.dtype)
+        if dt is not None:
+            flags = obj.flags
+            if flags.c_contiguous and (flags.writeable or not write):
+                return Buf(obj, "numpy", dt, obj, obj.shape, obj.size)
         return _adapt_numpy(obj, name, op, rank, write)
     if cls is host_views.plain():
         return _adapt_torch(obj, name, op, rank, write, read)

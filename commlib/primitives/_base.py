@@ -49,7 +49,7 @@ def blocking(comm: Communicator, op: str, what: Any, fn: Callable, *args: Any) -
     ``seconds``, the timeline). In poll mode (``comm.poll_s > 0``, the same on every rank)
     the call's nonblocking form is started and tested, sleeping ``poll_s`` between tests,
     so a rank that waits leaves its core to the others (calls without one block)."""
-    return _run(comm, op, what, -1, fn, args)
+    return call_blocking(comm, op, what, -1, fn, args)
 
 
 def blocking_counted(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
@@ -57,11 +57,12 @@ def blocking_counted(comm: Communicator, op: str, what: Any, nbytes: int, fn: Ca
     """:func:`blocking`, and the call counted in the byte counters as ``nbytes`` handed to
     MPI (``accounting.record``), under the same lock as its time: the hot path of small
     collectives."""
-    return _run(comm, op, what, nbytes, fn, args)
+    return call_blocking(comm, op, what, nbytes, fn, args)
 
 
-def _run(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
+def call_blocking(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
          args: tuple) -> Any:
+    """:func:`blocking` (``nbytes < 0``) or :func:`blocking_counted` (``args``: a tuple)."""
     # comm.arm and comm.disarm written out: one thread id, no method calls (every
     # collective comes through here; see commlib.watchdog for the entry's meaning)
     armed = comm.watchdog.armed
@@ -78,7 +79,7 @@ def _run(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
         if nbytes < 0:
             accounting.timed(op, t0, t1, comm, what, comm.seq)
         else:
-            accounting.record_timed(op, nbytes, comm.size, t0, t1, comm, what, comm.seq)
+            accounting.record_timed(op, nbytes, t0, t1, comm, what)
 
 
 def _polled(comm: Communicator, fn: Callable, args: tuple) -> None:

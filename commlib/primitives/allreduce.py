@@ -8,13 +8,16 @@ from mpi4py import MPI
 from .. import accounting, runtime
 from ..buffers import Buf, adapt
 from ..communicator import Communicator
+from ..options import options
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
 from . import node_shm
-from ._base import blocking_counted, finish_reduce, resolve
+from ._base import call_blocking, finish_reduce, resolve
 from .work import Release, Reserve, Turn, Work
 
 IN_PLACE = MPI.IN_PLACE
 _AVG = ReduceOp.AVG
+_SUM = ReduceOp.SUM
+_MPI_SUM = MPI.SUM
 
 
 def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
@@ -41,11 +44,15 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
             hierarchical = getattr(group, "hierarchical", False)
     rank = comm.rank
     buf = adapt(tensor, "tensor", "allreduce", rank, write=True)
-    if op.__class__ is not ReduceOp:
-        op = as_reduce_op(op, "allreduce", rank)
-    mop = mpi_op(op, buf.dt, "allreduce", rank)
+    dt = buf.dt
+    if op is _SUM and dt.native_reduce and dt.kind != "b":
+        mop = _MPI_SUM  # what mpi_op answers for this case, without the lookup
+    else:
+        if op.__class__ is not ReduceOp:
+            op = as_reduce_op(op, "allreduce", rank)
+        mop = mpi_op(op, dt, "allreduce", rank)
     comm.seq += 1
-    if comm.checking:
+    if options.check:  # comm.checking
         comm.verify("allreduce", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name,
                                   "hierarchical": bool(hierarchical)})
     if hierarchical and comm.size > 1:
@@ -58,9 +65,8 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
         return Work(comm, "allreduce", buf, _flat_async(comm, buf, op, mop, tensor))
     if node_shm.use(comm, buf, "allreduce"):  # one node: shared memory
         return node_shm.allreduce(comm, buf, op, tensor)
-    dt = buf.dt
-    blocking_counted(comm, "allreduce", buf, buf.count * dt.host.itemsize, comm.mpi.Allreduce,
-                     IN_PLACE, [buf.mem, buf.count, dt.mpi], mop)
+    call_blocking(comm, "allreduce", buf, buf.count * dt.host.itemsize, comm.mpi.Allreduce,
+                  (IN_PLACE, [buf.mem, buf.count, dt.mpi], mop))  # blocking_counted
     if op is _AVG or buf._after is not None or buf._staging is not None:
         finish_reduce(buf, op, comm.size)
     return tensor

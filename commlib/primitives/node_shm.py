@@ -102,6 +102,7 @@ SEGMENT_BYTES = 1 << 20
 #: (MPI falls to 2.4 GB/s busbw out of the cache, the tier keeps its 1 MiB steps in it);
 #: reduce_scatter wins 1.4-3.8x from 256 KiB on; allgather and broadcast never win at 2
 #: ranks (MPI's single-copy transfers: one copy per byte against the tier's two).
+#: Each operation's ranges are in ascending order (auto() stops below the first).
 AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
     "allreduce": ((16 << 10, 2 << 20), (32 << 20, None)),
     "reduce_scatter": ((256 << 10, None),),
@@ -269,7 +270,10 @@ def _make(comm: Communicator, local: Communicator,
 def auto(op: str, nbytes: int) -> bool:
     """Whether ``COMMLIB_SHM=auto`` takes ``op`` of ``nbytes`` bytes per rank through
     shared memory (:data:`AUTO_RANGES`)."""
-    for low, high in AUTO_RANGES[op]:
+    ranges = AUTO_RANGES[op]
+    if not ranges or nbytes < ranges[0][0]:  # below the first range (small messages)
+        return False
+    for low, high in ranges:
         if nbytes >= low and (high is None or nbytes < high):
             return True
     return False
