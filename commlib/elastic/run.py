@@ -37,7 +37,7 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
     ``run`` like the others, then wait idle in ``run`` (no share of the training's
     collectives: ``state.group`` is the first ``N`` ranks). After a trainer's death and
     the survivors' recovery, one spare per dead trainer joins the survivors' group (after
-    them, in world-rank order), receives the committed state by broadcast and trains:
+    them, in world-rank order), receives the committed state from a survivor and trains:
     the group is back at ``N`` ranks without a process start. A spare's death while idle
     is a failure like any other for the trainers (they recover among themselves; the
     spare leaves the pool). Once the spares are used up, a death is handled as without

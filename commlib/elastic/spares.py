@@ -19,8 +19,9 @@ Protocol (all on commlib's fault-tolerant primitives):
   *universe* (survivors in their order, then the picked spares in pool order) and the
   rest of the pool; survivors and picked spares call
   :func:`commlib.primitives.group.assemble` over that universe (a picked spare that is
-  dead is left out by the agreement and the next one is picked), then the merged group
-  takes the state of its rank 0, a survivor (``State._receive``, a broadcast). Every step
+  dead is left out by the agreement and the next one is picked), then each joined spare
+  receives the state from one survivor, point to point (``State._transfer``: the survivors
+  all hold the agreed commit, none receives anything). Every step
   depends only on agreed data, so every member computes the same groups.
 * **Release** (training returned on every trainer): every trainer tells the spares left
   and marks their exit as expected on its group (collectives on ``state.group`` after
@@ -29,6 +30,7 @@ Protocol (all on commlib's fault-tolerant primitives):
 from __future__ import annotations
 
 import time
+
 import torch
 
 from ..errors import CommError
@@ -109,7 +111,8 @@ def top_up(state: State, since: float) -> None:
 def _merge(state: State, universe: tuple[int, ...], pick: list[int], rest: list[int],
            since: float) -> None:
     """Collective over the living ranks of ``universe`` (the survivors, then the spares
-    ``pick``): the merged group; its rank 0, a survivor, sends the state to the others."""
+    ``pick``): the merged group; each spare that joined receives the state from one
+    survivor."""
     w = world()
     joining = w.ranks[w.rank] in pick
     group = assemble(universe, value=(-1, False) if joining else state._value())
@@ -124,7 +127,11 @@ def _merge(state: State, universe: tuple[int, ...], pick: list[int], rest: list[
                         f"merged group {list(group.ranks)}: nobody holds the state")
     own = ({k: v.detach().clone() for k, v in state.model.state_dict().items()}
            if joining and _SKIP_STATE else None)
-    state._receive(group, 0)
+    # each joining spare from one survivor (all hold the agreed commit), point to point:
+    # the survivors do not receive what they hold
+    olds = [i for i, r in enumerate(group.ranks) if r not in pick]
+    news = [i for i, r in enumerate(group.ranks) if r in pick]
+    state._transfer(group, {j: olds[k % len(olds)] for k, j in enumerate(news)})
     if own is not None:
         with torch.no_grad():
             state.model.load_state_dict(own)

@@ -38,6 +38,8 @@ UNSUPPORTED = {
     "demo": "its momentum buffers (with what each rank has not sent yet) are per rank and "
             "not yet committed and restored",
 }
+#: Tag of the point-to-point state transfers (:meth:`State._transfer`).
+TRANSFER_TAG = 34
 #: Test hook: recover without the survivors' step agreement (each rank goes on from its own
 #: last commit). Wrong on purpose, for the negative control of the tests.
 _SKIP_AGREEMENT = False
@@ -334,28 +336,54 @@ class State:
     def _receive(self, group: Any, root: int, optimizer: bool = True) -> None:
         """Collective over ``group``: everyone takes the state of member ``root`` (its
         optimizer's too, unless ``optimizer`` is false: each keeps its own)."""
-        d = self.__dict__
-        if group.rank == root:
-            buffer = io.BytesIO()
-            with per_rank_state():  # the root's replica, on purpose
-                model_state = self.model.state_dict()
-            torch.save({"step": self.step, "values": self.values,
-                        "target_size": self.target_size,
-                        "model": model_state,
-                        "optimizer": (self.optimizer.state_dict()
-                                      if self.optimizer is not None else None),
-                        "algorithm": getattr(self, "_algorithm_state", None)}, buffer)
-            data = np.frombuffer(buffer.getbuffer(), dtype=np.uint8).copy()
-        else:
-            d["_clean"] = False  # until the state arrived
-            data = None
+        data = self._pack() if group.rank == root else None
+        if group.rank != root:
+            self.__dict__["_clean"] = False  # until the state arrived
         size = np.array([0 if data is None else data.size], dtype=np.int64)
         broadcast(size, root, group)
         if data is None:
             data = np.empty(int(size[0]), dtype=np.uint8)
         broadcast(data, root, group)
-        if group.rank == root:
-            return
+        if group.rank != root:
+            self._unpack(data, optimizer)
+
+    def _transfer(self, group: Any, senders: dict[int, int]) -> None:
+        """Over ``group``, point to point: each member ``j`` of ``senders`` takes the
+        state of member ``senders[j]`` (every sender holds the same state: the agreed
+        commit); the other members only send, or do nothing. What a joining spare needs,
+        without the survivors receiving what they hold."""
+        me = group.rank
+        mine = [j for j, src in sorted(senders.items()) if src == me]
+        if mine:
+            data = self._pack()
+            size = np.array([data.size], dtype=np.int64)
+            for j in mine:
+                group.send(size, j, tag=TRANSFER_TAG)
+                group.send(data, j, tag=TRANSFER_TAG)
+        if me in senders:
+            self.__dict__["_clean"] = False  # until the state arrived
+            size = np.zeros(1, dtype=np.int64)
+            group.recv(size, senders[me], tag=TRANSFER_TAG)
+            data = np.empty(int(size[0]), dtype=np.uint8)
+            group.recv(data, senders[me], tag=TRANSFER_TAG)
+            self._unpack(data, True)
+
+    def _pack(self) -> np.ndarray:
+        """This rank's state (step, values, model, optimizer, algorithm), serialized."""
+        buffer = io.BytesIO()
+        with per_rank_state():  # this rank's replica, on purpose
+            model_state = self.model.state_dict()
+        torch.save({"step": self.step, "values": self.values,
+                    "target_size": self.target_size,
+                    "model": model_state,
+                    "optimizer": (self.optimizer.state_dict()
+                                  if self.optimizer is not None else None),
+                    "algorithm": getattr(self, "_algorithm_state", None)}, buffer)
+        return np.frombuffer(buffer.getbuffer(), dtype=np.uint8).copy()
+
+    def _unpack(self, data: np.ndarray, optimizer: bool) -> None:
+        """Take the state of :meth:`_pack` (``optimizer`` false: keep this rank's own)."""
+        d = self.__dict__
         saved = torch.load(io.BytesIO(data.tobytes()), weights_only=False)
         with torch.no_grad():
             self.model.load_state_dict(saved["model"])
