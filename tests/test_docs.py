@@ -225,6 +225,7 @@ def test_site_builds_without_warnings(tmp_path):
     if missing:
         pytest.skip(f"{missing} is not installed (pip install -e '.[docs]')")
     out_dir = tmp_path / "html"
+    before = _untracked_in_docs()
     cmd = [sys.executable, "-m", "sphinx", "-W", "-n", "--keep-going", "-j", "1", "-q",
            "-b", "html", "-d", str(tmp_path / "doctrees"), str(DOCS), str(out_dir)]
     start = time.monotonic()
@@ -238,7 +239,20 @@ def test_site_builds_without_warnings(tmp_path):
         assert (out_dir / page).is_file(), page
     options = (out_dir / "reference/options.html").read_text()
     assert "COMMLIB_TIMEOUT" in options and "COMMLIB_SHM" in options
+    assert _untracked_in_docs() == before, "the build left files in docs/"
     print(f"\ndocs build: {took:.1f} s")
+
+
+def _untracked_in_docs() -> set[str] | None:
+    """Files under docs/ that git neither tracks nor ignores (None without git)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--",
+                              "docs"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return {line[3:] for line in out.stdout.splitlines() if line.startswith("??")}
 
 
 def _extension():
