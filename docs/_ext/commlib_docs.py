@@ -315,7 +315,8 @@ class BenchmarksDirective(SphinxDirective):
             if os.path.exists(png):
                 self.env.note_dependency(png)
                 here = os.path.dirname(self.env.doc2path(self.env.docname))
-                text += f".. image:: {os.path.relpath(png, here)}\n   :width: 100%\n\n"
+                text += (f".. image:: {os.path.relpath(png, here)}\n   :width: 100%\n"
+                         f"   :alt: the plot committed beside {name}\n\n")
         if generic:
             title = "Other result files"
             text += f"{title}\n{'-' * len(title)}\n\n"
