@@ -182,7 +182,9 @@ def start(path: str | None = None) -> str:
 
 
 def stop() -> str | None:
-    """Stop recording and close this rank's file; returns its name (``None`` if off)."""
+    """Stop recording and close this rank's file; returns its name (``None`` if off).
+    Local: another rank may still be writing its own file when this returns (merging on
+    one rank right after it needs a barrier first)."""
     tracer, accounting.tracer = accounting.tracer, None
     if tracer is None:
         return None
@@ -204,7 +206,8 @@ def load(path: str) -> list[dict[str, Any]]:
 def merge(paths: Iterable[str], out: str) -> int:
     """Merge per-rank trace files into one Chrome trace ``out`` (each rank a process, as
     recorded; times already share the origin of the start barrier). Returns the number
-    of events written. Not collective: run it on one rank or after the job."""
+    of events written. Not collective: run it on one rank after every rank's
+    :func:`stop` (e.g. ``commlib.barrier()`` between the two), or after the job."""
     events: list[dict[str, Any]] = []
     for path in paths:
         events.extend(load(path))
