@@ -12,13 +12,14 @@ import torch
 from ..ddp.replicas import per_rank_state
 from ..errors import CommError
 from ..primitives import broadcast, world
+from . import transfer
 
 # How each algorithm's state survives a failure (see the State docstring).
 REPLICATED = "replicated"      # every replica holds the same state at a commit
 PER_RANK = "per_rank"          # replicas differ: each restores its own snapshot
-SYNCED = "synced"              # replicas equal at each average only (local SGD)
+SYNCED = "synced"              # replicas equal where the algorithm says (synced_at) only
 POLICIES = {"gradient_allreduce": REPLICATED, "bytegrad": REPLICATED,
-            "decentralized": PER_RANK, "local_sgd": SYNCED}
+            "decentralized": PER_RANK, "local_sgd": SYNCED, "diloco": SYNCED}
 UNSUPPORTED = {
     "qadam": "its error-feedback residuals are per rank and tied to the world size",
     "low_precision_decentralized": "its compression residuals are per rank and tied to the "
@@ -28,8 +29,6 @@ UNSUPPORTED = {
     "d_kfac": "its layer assignment and factors are tied to the world size",
     "dp_kfac": "its layer assignment and factors are tied to the world size",
     "powersgd": "its error-feedback residuals are per rank and tied to the world size",
-    "diloco": "its outer step is not yet committed and restored (the partial round would "
-              "have to be discarded at the last outer step, as local_sgd does)",
     "streaming_diloco": "its fragments' outer steps are not yet committed and restored",
     "sparseloco": "its error-feedback buffers are per rank and its outer step is not yet "
                   "committed and restored",
@@ -82,18 +81,22 @@ class State:
       earliest last commit among them and each restores its own copy of it. A
       non-blocking barrier every ``keep // 2`` commits keeps every rank within ``keep - 1``
       commits of the others, so that commit is always held (see :meth:`_fence_due`).
-    * ``local_sgd``: a commit is the average after each ``sync_every``-th step (replicas
-      are equal there), copied when the average is applied; a failure discards the partial
-      round (the local steps since), as torchft's DiLoCo does. A survivor that missed the
-      agreed average receives the averaged model, and keeps its own optimizer state (never
-      averaged: each replica's momentum is its own).
+    * ``local_sgd`` and ``diloco``: a commit is taken where the algorithm's replicas meet
+      (:meth:`~commlib.algorithms.base.Algorithm.synced_at`: after each average, after each
+      outer step, every ``sync_every``-th step), right after it is applied: the model, the
+      optimizer and the algorithm state (``diloco``: the global weights and the outer
+      momentum, the same on every rank) are copied. A failure discards the partial round
+      (the local or inner steps since), as torchft's DiLoCo does. A survivor that missed
+      the agreed average or outer step receives the model and the algorithm state, and
+      keeps its own optimizer state (never averaged: each replica's momentum, or inner
+      optimizer state, is its own).
 
     ``scale_lr``: after a shrink multiply each parameter group's ``lr`` by
     ``new size / old size`` (for jobs whose per-rank batch is fixed; with
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
     Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`): ``qadam``,
     ``low_precision_decentralized``, ``async_model_average``, ``d_kfac``, ``dp_kfac``,
-    ``powersgd``, ``diloco``, ``streaming_diloco``, ``sparseloco``, ``muloco``, ``demo``;
+    ``powersgd``, ``streaming_diloco``, ``sparseloco``, ``muloco``, ``demo``;
     and
     ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
     """
@@ -291,9 +294,10 @@ class State:
             if mine == top:
                 self._restore_own(top[0])
             if any(v != top for v in decision.values.values()):
-                # SYNCED: the models are equal at an average, the optimizers never are
-                # (local_sgd averages weights only): each member keeps its own; one that
-                # missed the average has it live (it stepped up to it: checked)
+                # SYNCED: the models (and algorithm states) are equal at an average or
+                # outer step, the optimizers never are (weights only are averaged): each
+                # member keeps its own; one that missed the average has it live (it
+                # stepped up to it: checked)
                 own = self.policy == SYNCED
                 ahead = self._optimizer_steps - self._steps_at_commit
                 if own and mine != top and ahead != top[0] - mine[0]:
@@ -350,41 +354,43 @@ class State:
     def _transfer(self, group: Any, senders: dict[int, int]) -> None:
         """Over ``group``, point to point: each member ``j`` of ``senders`` takes the
         state of member ``senders[j]`` (every sender holds the same state: the agreed
-        commit); the other members only send, or do nothing. What a joining spare needs,
-        without the survivors receiving what they hold."""
+        commit), tensor by tensor (:mod:`commlib.elastic.transfer`); the other members
+        only send, or do nothing. What a joining spare needs, without the survivors
+        receiving what they hold."""
         me = group.rank
         mine = [j for j, src in sorted(senders.items()) if src == me]
         if mine:
-            data = self._pack()
-            size = np.array([data.size], dtype=np.int64)
+            tree = self._tree()
             for j in mine:
-                group.send(size, j, tag=TRANSFER_TAG)
-                group.send(data, j, tag=TRANSFER_TAG)
+                transfer.send(group, j, tree, TRANSFER_TAG)
         if me in senders:
             self.__dict__["_clean"] = False  # until the state arrived
-            size = np.zeros(1, dtype=np.int64)
-            group.recv(size, senders[me], tag=TRANSFER_TAG)
-            data = np.empty(int(size[0]), dtype=np.uint8)
-            group.recv(data, senders[me], tag=TRANSFER_TAG)
-            self._unpack(data, True)
+            self._apply(transfer.recv(group, senders[me], TRANSFER_TAG), True)
 
-    def _pack(self) -> np.ndarray:
-        """This rank's state (step, values, model, optimizer, algorithm), serialized."""
-        buffer = io.BytesIO()
+    def _tree(self) -> dict:
+        """This rank's state: step, values, model, optimizer, algorithm."""
         with per_rank_state():  # this rank's replica, on purpose
             model_state = self.model.state_dict()
-        torch.save({"step": self.step, "values": self.values,
-                    "target_size": self.target_size,
-                    "model": model_state,
-                    "optimizer": (self.optimizer.state_dict()
-                                  if self.optimizer is not None else None),
-                    "algorithm": getattr(self, "_algorithm_state", None)}, buffer)
-        return np.frombuffer(buffer.getbuffer(), dtype=np.uint8).copy()
+        return {"step": self.step, "values": self.values, "target_size": self.target_size,
+                "model": model_state,
+                "optimizer": (self.optimizer.state_dict()
+                              if self.optimizer is not None else None),
+                "algorithm": getattr(self, "_algorithm_state", None)}
+
+    def _pack(self) -> np.ndarray:
+        """This rank's state (:meth:`_tree`), serialized."""
+        buffer = io.BytesIO()
+        torch.save(self._tree(), buffer)
+        return np.frombuffer(buffer.getbuffer(), dtype=np.uint8)  # (holds the buffer)
 
     def _unpack(self, data: np.ndarray, optimizer: bool) -> None:
         """Take the state of :meth:`_pack` (``optimizer`` false: keep this rank's own)."""
+        self._apply(torch.load(io.BytesIO(data.tobytes()), weights_only=False), optimizer)
+
+    def _apply(self, saved: dict, optimizer: bool) -> None:
+        """Take the state ``saved`` (of :meth:`_tree`; ``optimizer`` false: keep this
+        rank's own)."""
         d = self.__dict__
-        saved = torch.load(io.BytesIO(data.tobytes()), weights_only=False)
         with torch.no_grad():
             self.model.load_state_dict(saved["model"])
         if self.optimizer is not None and optimizer:
@@ -403,13 +409,15 @@ class State:
 
 
 def _commit_after_average(state: State, wrapper: Any) -> None:
-    """``local_sgd``: take the commit right after each average (in ``after_iteration``)."""
+    """``SYNCED``: take the commit right after each iteration's ``after_iteration`` where
+    the algorithm says its replicas meet (``synced_at``: ``local_sgd``'s averages,
+    ``diloco``'s outer steps)."""
     algorithm = wrapper.algorithm
     original = type(algorithm).after_iteration
 
     def after_iteration(ctx: Any) -> None:
         original(algorithm, ctx)
-        if ctx.step % algorithm.sync_every == 0:
+        if algorithm.synced_at(ctx.step):
             pending = state.__dict__.get("_pending_values")
             values = pending[1] if pending is not None and pending[0] == ctx.step else None
             state._record(full=True, step=ctx.step, values=values)
