@@ -116,7 +116,9 @@ if args.skip_spare_state:
     _spares_module._SKIP_STATE = True
 
 KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
-          "local_sgd": {"sync_every": 4}}
+          "local_sgd": {"sync_every": 4},
+          # the paper's outer SGD (lr 0.7, Nesterov momentum 0.9): its momentum is state
+          "diloco": {"sync_every": 4}}
 BATCH, LENGTH = 24, 24 * 40
 g = torch.Generator().manual_seed(1234)
 X = torch.randn(LENGTH, 16, generator=g)
@@ -277,8 +279,9 @@ def train_reference(tr: Training, gone: list[int], at: list[int]) -> bool:
     while st.step < args.steps:
         while marks and st.step == marks[0][0]:
             _, victim = marks.pop(0)
-            if tr.algorithm == "local_sgd":
-                ddp._start_iteration(reset=False)  # the average of the last step, as run()
+            if state_module.POLICIES.get(tr.algorithm) == state_module.SYNCED:
+                # the average (outer step) of the last step, as run() commits it
+                ddp._start_iteration(reset=False)
             algo = ddp.algorithm.state_dict()
             old = len(alive)
             alive.remove(victim)

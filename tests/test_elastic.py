@@ -159,20 +159,30 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
 # ... No such process"). Fault-tolerant mode now turns UCX's rendezvous inside a machine off
 # (commlib.ucx_env, tests/test_ucx_env.py); the rerun stays until more full runs back the fix.
 @pytest.mark.flaky(reruns=1)
-@pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd"])
+@pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd", "diloco"])
 def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
-    at = "14" if algorithm == "local_sgd" else "12"  # mid-round: the round is discarded
+    synced = algorithm in ("local_sgd", "diloco")
+    at = "14" if synced else "12"  # mid-round: the round is discarded
     status, _, out, left = ft_job(tmp_path, "--fault", "kill", "--algorithm", algorithm,
                                   "--at", at)
     found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left, algorithm)
-    if algorithm == "local_sgd":
-        assert found[0]["recoveries"][0]["step"] == 12  # the last average, before step 14
+    if synced:  # the last average (outer step), before step 14
+        assert found[0]["recoveries"][0]["step"] == 12
 
 
 def test_the_check_tells_one_step_apart(tmp_path_factory):
     """The exact comparison can fail: references shrinking one step apart differ."""
     a = reference(tmp_path_factory, "gradient_allreduce", "3", "12")
     b = reference(tmp_path_factory, "gradient_allreduce", "3", "13")
+    assert not np.array_equal(params(a[0]), params(b[0]))
+
+
+def test_the_check_tells_a_kept_partial_round(tmp_path_factory):
+    """``diloco``: the survivors of a death at step 14 go on from the outer step of step 12
+    (the partial round discarded); a reference that kept the inner steps 13 and 14 (shrunk
+    at 14, as a per-rank commit would) differs."""
+    a = reference(tmp_path_factory, "diloco", "3", "12")
+    b = reference(tmp_path_factory, "diloco", "3", "14")
     assert not np.array_equal(params(a[0]), params(b[0]))
 
 

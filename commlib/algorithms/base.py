@@ -143,6 +143,14 @@ class Algorithm:
         before the next training forward (``ctx.step`` counts the completed iteration).
         Called at the same point on every rank, so it may communicate."""
 
+    def synced_at(self, step: int) -> bool:
+        """Whether, right after :meth:`after_iteration` of iteration ``step``, every rank
+        holds the same weights and the same algorithm state (:meth:`save_state`): the
+        points where a relaxed algorithm's replicas meet (``local_sgd``'s averages,
+        ``diloco``'s outer steps). Front-ends may commit there (:mod:`commlib.elastic`).
+        Default: ``False`` (not known)."""
+        return False
+
     def need_reset(self, ctx: Context) -> bool:
         """Checked before each forward; ``True`` makes the wrapper call :meth:`reset` and
         rebuild the buckets (e.g. when a warm-up ends)."""

@@ -91,6 +91,12 @@ class DiLoCo(Algorithm):
         return buckets
 
     # -- the outer step -------------------------------------------------------------------
+    def synced_at(self, step: int) -> bool:
+        """Right after each outer step: every replica is the global weights, and the global
+        weights and outer momentum are the same on every rank (the inner optimizer's state
+        is the user's, each rank's own)."""
+        return step % self.sync_every == 0
+
     def after_iteration(self, ctx: Context) -> None:
         if ctx.step % self.sync_every == 0:
             ctx.run(self._sync, ctx)

@@ -30,6 +30,10 @@ class LocalSGD(Algorithm):
             raise ValueError(f"local_sgd: sync_every must be >= 1, got {sync_every}")
         self.sync_every = int(sync_every)
 
+    def synced_at(self, step: int) -> bool:
+        """Right after each average (every ``sync_every``-th iteration)."""
+        return step % self.sync_every == 0
+
     def after_iteration(self, ctx: Context) -> None:
         if ctx.step % self.sync_every == 0:
             ctx.run(self._average, ctx)

@@ -162,6 +162,12 @@ class StreamingDiLoCo(DiLoCo):
         return r // period if r % period == 0 else None
 
     # -- the schedule ---------------------------------------------------------------------
+    def synced_at(self, step: int) -> bool:
+        """Never for the whole model: the fragments meet the global weights at staggered
+        iterations (with one fragment, an exchange in flight or ``fragment_update_alpha``
+        leaves replicas apart too)."""
+        return False
+
     def after_iteration(self, ctx: Context) -> None:
         t = ctx.step
         f = self._due(t, self.fragment_sync_delay)
