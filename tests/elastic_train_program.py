@@ -118,7 +118,12 @@ if args.skip_spare_state:
 KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
           "local_sgd": {"sync_every": 4},
           # the paper's outer SGD (lr 0.7, Nesterov momentum 0.9): its momentum is state
-          "diloco": {"sync_every": 4}}
+          "diloco": {"sync_every": 4},
+          # two fragments, each exchange overlapping one inner step, half merged
+          "streaming_diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1,
+                               "fragment_update_alpha": 0.5},
+          # compressed from step 4 on: residuals, warm-started P and Q in the state
+          "powersgd": {"rank": 2, "start_iter": 4}}
 BATCH, LENGTH = 24, 24 * 40
 g = torch.Generator().manual_seed(1234)
 X = torch.randn(LENGTH, 16, generator=g)

@@ -159,7 +159,8 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
 # ... No such process"). Fault-tolerant mode now turns UCX's rendezvous inside a machine off
 # (commlib.ucx_env, tests/test_ucx_env.py); the rerun stays until more full runs back the fix.
 @pytest.mark.flaky(reruns=1)
-@pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd", "diloco"])
+@pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd", "diloco",
+                                       "streaming_diloco", "powersgd"])
 def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
     synced = algorithm in ("local_sgd", "diloco")
     at = "14" if synced else "12"  # mid-round: the round is discarded

@@ -19,7 +19,8 @@ REPLICATED = "replicated"      # every replica holds the same state at a commit
 PER_RANK = "per_rank"          # replicas differ: each restores its own snapshot
 SYNCED = "synced"              # replicas equal where the algorithm says (synced_at) only
 POLICIES = {"gradient_allreduce": REPLICATED, "bytegrad": REPLICATED,
-            "decentralized": PER_RANK, "local_sgd": SYNCED, "diloco": SYNCED}
+            "decentralized": PER_RANK, "local_sgd": SYNCED, "diloco": SYNCED,
+            "streaming_diloco": PER_RANK, "powersgd": PER_RANK}
 UNSUPPORTED = {
     "qadam": "its error-feedback residuals are per rank and tied to the world size",
     "low_precision_decentralized": "its compression residuals are per rank and tied to the "
@@ -28,8 +29,6 @@ UNSUPPORTED = {
                            "agreed",
     "d_kfac": "its layer assignment and factors are tied to the world size",
     "dp_kfac": "its layer assignment and factors are tied to the world size",
-    "powersgd": "its error-feedback residuals are per rank and tied to the world size",
-    "streaming_diloco": "its fragments' outer steps are not yet committed and restored",
     "sparseloco": "its error-feedback buffers are per rank and its outer step is not yet "
                   "committed and restored",
     "muloco": "its error-feedback accumulators are per rank and its outer step is not yet "
@@ -76,11 +75,19 @@ class State:
       that are one step behind (one finished the step's exchange just before the death,
       another did not) receive it by broadcast from one that holds it. Otherwise the model,
       optimizer and algorithm state are copied at each commit and restored.
-    * ``decentralized`` (replicas differ): each commit copies this rank's model, optimizer
-      and algorithm state (the last ``keep`` commits are kept); the survivors agree on the
-      earliest last commit among them and each restores its own copy of it. A
-      non-blocking barrier every ``keep // 2`` commits keeps every rank within ``keep - 1``
-      commits of the others, so that commit is always held (see :meth:`_fence_due`).
+    * ``decentralized``, ``streaming_diloco``, ``powersgd`` (replicas or algorithm states
+      differ: ``streaming_diloco``'s fragments meet the global weights at staggered steps,
+      never all at once, so no step has equal replicas to commit at; ``powersgd``'s
+      error-feedback residuals are of each rank's own gradient): each commit copies this
+      rank's model, optimizer and algorithm state (``streaming_diloco``: the global
+      weights and outer momentum, its error-feedback residuals and an exchange in flight,
+      which the commit waits for; ``powersgd``: its residuals, the P and Q memories and
+      the random generator, the last three the same on every rank; none of them is shaped
+      by the world size, so a smaller group takes them as they are); the last ``keep``
+      commits are kept. The survivors agree on the earliest last commit among them and
+      each restores its own copy of it. A non-blocking barrier every ``keep // 2``
+      commits keeps every rank within ``keep - 1`` commits of the others, so that commit
+      is always held (see :meth:`_fence_due`).
     * ``local_sgd`` and ``diloco``: a commit is taken where the algorithm's replicas meet
       (:meth:`~commlib.algorithms.base.Algorithm.synced_at`: after each average, after each
       outer step, every ``sync_every``-th step), right after it is applied: the model, the
@@ -96,7 +103,7 @@ class State:
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
     Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`): ``qadam``,
     ``low_precision_decentralized``, ``async_model_average``, ``d_kfac``, ``dp_kfac``,
-    ``powersgd``, ``streaming_diloco``, ``sparseloco``, ``muloco``, ``demo``;
+    ``sparseloco``, ``muloco``, ``demo``;
     and
     ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
     """
