@@ -49,7 +49,8 @@ def test_noncontiguous_and_ops(commlib_pg):
 
 
 def test_handles_of_blocking_and_async_calls(commlib_pg):
-    """The handle of a blocking call is complete, its result and future hold the tensor;
+    """The handle of a blocking call is complete, its result and future hold the tensor
+    (until the next blocking call on the group: torch's blocking calls drop it at once);
     an asynchronous call's handle completes with the reduced tensor."""
     r, n = dist.get_rank(), dist.get_world_size()
     t = torch.full((2,), float(r + 1))
@@ -60,6 +61,9 @@ def test_handles_of_blocking_and_async_calls(commlib_pg):
     assert work.result()[0] is t and work.get_future().value()[0] is t
     assert work.exception() is None
     assert t.tolist() == [float(_total(n))] * 2
+    t2 = torch.full((3,), float(r + 1))     # the next blocking call: its own result, future
+    work2 = commlib_pg.allreduce([t2], opts)
+    assert work2.wait() and work2.result()[0] is t2 and work2.get_future().value()[0] is t2
     u = torch.full((2,), float(r + 1))
     handle = dist.all_reduce(u, group=commlib_pg, async_op=True)
     assert handle.wait() and u.tolist() == [float(_total(n))] * 2

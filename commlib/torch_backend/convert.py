@@ -17,6 +17,16 @@ _OPS = {_T.SUM: ReduceOp.SUM, _T.AVG: ReduceOp.AVG, _T.PRODUCT: ReduceOp.PRODUCT
 _BY_VALUE = {int(k): v for k, v in _OPS.items()}
 
 
+def _hash_is_value() -> bool:
+    try:
+        return all(hash(dist.ReduceOp(k)) == int(k) for k in _OPS)
+    except Exception:  # noqa: BLE001 - then the slower .op.value
+        return False
+
+
+_HASH_IS_VALUE = _hash_is_value()
+
+
 class UnsupportedOperation(CommError, NotImplementedError):
     """An operation (or reduce op) of torch.distributed the commlib backend does not
     provide; the message names it."""
@@ -34,8 +44,11 @@ def unsupported(op: str, rank: int, detail: str = "") -> UnsupportedOperation:
 def reduce_op(opts: Any, op: str, rank: int) -> ReduceOp:
     """commlib's op for ``opts.reduceOp`` (a ``torch.distributed.ReduceOp``)."""
     try:
-        return _BY_VALUE[opts.reduceOp.op.value]  # ints hash fast; the enum does not
-    except (AttributeError, KeyError):
+        red = opts.reduceOp
+        # ints hash fast, the pybind enum does not; hash(ReduceOp) is its op's value
+        # wherever _HASH_IS_VALUE says so (checked at import), and reading .op costs more
+        return _BY_VALUE[hash(red) if _HASH_IS_VALUE else red.op.value]
+    except (AttributeError, KeyError, TypeError):
         pass
     red = getattr(opts, "reduceOp", opts)
     kind = getattr(red, "op", red)

@@ -46,6 +46,8 @@ class ProcessGroupCommlib(Reductions, dist.ProcessGroup):
         self.group = group
         self._rank = rank
         self._size = size
+        #: the completed handle returned to callers that pass ``asyncOp=False`` (see _launch)
+        self._done = done([])
         self._background = progress.background()
         self._names = {"name": "", "desc": ""}
         self._deadlines = GroupDeadlines(timeout, rank, f"process group with world ranks "
@@ -127,6 +129,14 @@ class ProcessGroupCommlib(Reductions, dist.ProcessGroup):
                      else self._blocking(op, call))
             if after is not None:
                 after(value)
+            if getattr(opts, "asyncOp", True) is False:
+                # torch.distributed's blocking calls (async_op=False) wait on the handle
+                # and drop it: one completed handle per group serves them all (its result
+                # and future are the last blocking call's; a new handle costs 0.7 us)
+                handle = self._done
+                handle._result = result
+                handle._future = None
+                return handle
             return done(result)
         try:
             value = self._blocking(op, call)
