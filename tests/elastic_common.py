@@ -288,7 +288,7 @@ PLANNED = [("gradient_allreduce", "3", "12", True), ("gradient_allreduce", "3", 
            ("decentralized", "3", "12", False), ("local_sgd", "3", "12", False),
            ("diloco", "3", "12", False), ("diloco", "3", "14", False),
            ("streaming_diloco", "3", "11", False), ("streaming_diloco", "3", "12", False),
-           ("powersgd", "3", "12", False),
+           ("powersgd", "3", "12", False), ("low_precision_decentralized", "3", "13", False),
            ("gradient_allreduce", "3,2", "12,12", False), ("gradient_allreduce", "", "", False)]
 _references: dict[tuple, dict[int, dict]] = {}
 

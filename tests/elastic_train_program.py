@@ -123,7 +123,8 @@ KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
           "streaming_diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1,
                                "fragment_update_alpha": 0.5},
           # compressed from step 4 on: residuals, warm-started P and Q in the state
-          "powersgd": {"rank": 2, "start_iter": 4}}
+          "powersgd": {"rank": 2, "start_iter": 4},
+          "low_precision_decentralized": {"chunk_size": 64}}
 BATCH, LENGTH = 24, 24 * 40
 g = torch.Generator().manual_seed(1234)
 X = torch.randn(LENGTH, 16, generator=g)
@@ -149,6 +150,25 @@ class Training:
         self.state = elastic.State(self.model, self.optimizer, self.sampler, ledger=[],
                                    scale_lr=scale_lr)
         self.times: list[tuple[int, float]] = []
+        self.ring: bool | None = None   # low_precision_decentralized: see ring_consistent
+
+    def ring_consistent(self) -> None:
+        """``low_precision_decentralized`` (collective over the state's group): whether
+        each rank's copies of its ring neighbours' weights equal their ``x_pub`` (after a
+        shrink the neighbours changed: the copies must have been rebuilt)."""
+        from commlib.algorithms.low_precision_decentralized import LowPrecisionDecentralized
+        from commlib.primitives.decentralized import ring_neighbors
+        algo = self.state._wrapper.algorithm if self.state._wrapper is not None else None
+        if not isinstance(algo, LowPrecisionDecentralized):
+            return
+        group = self.state.group
+        left, right = ring_neighbors(group.rank, group.size)
+        ok = True
+        for rep in algo._replicas:
+            every = commlib.allgather(rep["pub"], group=group)
+            ok &= bool(torch.equal(rep["left"], every[left]) and
+                       torch.equal(rep["right"], every[right]))
+        self.ring = ok
 
     def write(self, outdir: str) -> None:
         params = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
@@ -159,7 +179,7 @@ class Training:
                                            {str(a): b for a, b in v.items()})
                                        for k, v in r.items()} for r in st.recoveries],
                        "params": params.numpy().tobytes().hex(), "times": self.times,
-                       "size": st.group.size, "world": n0,
+                       "size": st.group.size, "world": n0, "ring": self.ring,
                        "lr": self.optimizer.param_groups[0]["lr"]}, f)
 
 
@@ -340,6 +360,8 @@ else:
                        "cpu_s": time.process_time() - cpu0,
                        "wall_s": time.monotonic() - wall0}, f)
         sys.exit(0)
+if not reference:
+    run.ring_consistent()
 run.write(args.outdir)
 if reference:
     commlib.barrier()

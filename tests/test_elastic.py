@@ -160,7 +160,8 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
 # (commlib.ucx_env, tests/test_ucx_env.py); the rerun stays until more full runs back the fix.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd", "diloco",
-                                       "streaming_diloco", "powersgd"])
+                                       "streaming_diloco", "powersgd",
+                                       "low_precision_decentralized"])
 def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
     synced = algorithm in ("local_sgd", "diloco")
     at = "14" if synced else "12"  # mid-round: the round is discarded
@@ -169,6 +170,8 @@ def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
     found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left, algorithm)
     if synced:  # the last average (outer step), before step 14
         assert found[0]["recoveries"][0]["step"] == 12
+    if algorithm == "low_precision_decentralized":  # neighbour copies rebuilt for 3 ranks
+        assert all(r["ring"] for r in found.values()), {k: r["ring"] for k, r in found.items()}
 
 
 def test_the_check_tells_one_step_apart(tmp_path_factory):

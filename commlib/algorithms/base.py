@@ -151,6 +151,14 @@ class Algorithm:
         Default: ``False`` (not known)."""
         return False
 
+    def regroup(self, saved_rank: int, saved_world_size: int) -> None:
+        """Collective over the wrapper's group, on every member, right after
+        :meth:`load_state_dict` of a state that this rank saved as rank ``saved_rank`` of a
+        group of ``saved_world_size`` ranks, when the group may be another one (a
+        front-end's recovery after a failure, :mod:`commlib.elastic`): make what the
+        state holds of other ranks (copies of a neighbour's weights, ...) fit the current
+        group. Default: nothing."""
+
     def need_reset(self, ctx: Context) -> bool:
         """Checked before each forward; ``True`` makes the wrapper call :meth:`reset` and
         rebuild the buckets (e.g. when a warm-up ends)."""

@@ -30,7 +30,8 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import NonFiniteError
-from ..primitives import compressed_ring_exchange
+from ..primitives import allgather, compressed_ring_exchange
+from ..primitives.decentralized import ring_neighbors
 from ..primitives.finite import all_finite
 from . import state
 from .base import WEIGHTS, Algorithm, Context
@@ -109,3 +110,14 @@ class LowPrecisionDecentralized(Algorithm):
         for rep, mine in zip(saved["replicas"], self._replicas):
             for key in REPLICAS:
                 state.copy_into(mine[key], rep[key])
+
+    def regroup(self, saved_rank: int, saved_world_size: int) -> None:
+        """The copies of the neighbours' weights become those of the current ring's
+        neighbours (after a shrink some neighbours are others): every rank's ``x_pub``,
+        gathered at full precision (one allgather of the weights per bucket)."""
+        ctx = self._context("regroup")
+        left, right = ring_neighbors(ctx.rank, ctx.world_size)
+        for rep in self._replicas:
+            every = allgather(rep["pub"], group=ctx.group)
+            state.copy_into(rep["left"], every[left])
+            state.copy_into(rep["right"], every[right])

@@ -20,11 +20,10 @@ PER_RANK = "per_rank"          # replicas differ: each restores its own snapshot
 SYNCED = "synced"              # replicas equal where the algorithm says (synced_at) only
 POLICIES = {"gradient_allreduce": REPLICATED, "bytegrad": REPLICATED,
             "decentralized": PER_RANK, "local_sgd": SYNCED, "diloco": SYNCED,
-            "streaming_diloco": PER_RANK, "powersgd": PER_RANK}
+            "streaming_diloco": PER_RANK, "powersgd": PER_RANK,
+            "low_precision_decentralized": PER_RANK}
 UNSUPPORTED = {
     "qadam": "its error-feedback residuals are per rank and tied to the world size",
-    "low_precision_decentralized": "its compression residuals are per rank and tied to the "
-                                   "world size",
     "async_model_average": "its background rounds are not tied to steps, so no step can be "
                            "agreed",
     "d_kfac": "its layer assignment and factors are tied to the world size",
@@ -75,15 +74,18 @@ class State:
       that are one step behind (one finished the step's exchange just before the death,
       another did not) receive it by broadcast from one that holds it. Otherwise the model,
       optimizer and algorithm state are copied at each commit and restored.
-    * ``decentralized``, ``streaming_diloco``, ``powersgd`` (replicas or algorithm states
-      differ: ``streaming_diloco``'s fragments meet the global weights at staggered steps,
-      never all at once, so no step has equal replicas to commit at; ``powersgd``'s
-      error-feedback residuals are of each rank's own gradient): each commit copies this
-      rank's model, optimizer and algorithm state (``streaming_diloco``: the global
+    * ``decentralized``, ``low_precision_decentralized``, ``streaming_diloco``,
+      ``powersgd`` (replicas or algorithm states differ: ``streaming_diloco``'s fragments
+      meet the global weights at staggered steps, never all at once, so no step has
+      equal replicas to commit at; ``powersgd``'s error-feedback residuals are of each
+      rank's own gradient): each commit copies this rank's model, optimizer and algorithm state (``streaming_diloco``: the global
       weights and outer momentum, its error-feedback residuals and an exchange in flight,
       which the commit waits for; ``powersgd``: its residuals, the P and Q memories and
       the random generator, the last three the same on every rank; none of them is shaped
-      by the world size, so a smaller group takes them as they are); the last ``keep``
+      by the world size, so a smaller group takes them as they are;
+      ``low_precision_decentralized``: its replicas ``x_pub``, ``x_left``, ``x_right``,
+      whose neighbour copies are rebuilt for the new ring when the survivors' wrapper
+      loads them, :meth:`~commlib.algorithms.base.Algorithm.regroup`); the last ``keep``
       commits are kept. The survivors agree on the earliest last commit among them and
       each restores its own copy of it. A non-blocking barrier every ``keep // 2``
       commits keeps every rank within ``keep - 1`` commits of the others, so that commit
@@ -102,10 +104,8 @@ class State:
     ``new size / old size`` (for jobs whose per-rank batch is fixed; with
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
     Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`): ``qadam``,
-    ``low_precision_decentralized``, ``async_model_average``, ``d_kfac``, ``dp_kfac``,
-    ``sparseloco``, ``muloco``, ``demo``;
-    and
-    ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
+    ``async_model_average``, ``d_kfac``, ``dp_kfac``, ``sparseloco``, ``muloco``,
+    ``demo``; and ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None,
@@ -252,9 +252,13 @@ class State:
             self._record(full=policy != REPLICATED or self.commit_every > 1)
         algo_state = getattr(self, "_algorithm_state", None)
         if algo_state is not None:
+            saved = (algo_state["rank"], algo_state["world_size"])
             algo_state = dict(algo_state, rank=wrapper.process_group.rank,
                               world_size=wrapper.process_group.size)
             wrapper.algorithm.load_state_dict(algo_state)
+            # collective where it communicates (per-rank algorithms: every member of
+            # the group restored a full commit, so every member loads a state here)
+            wrapper.algorithm.regroup(*saved)
         if policy == SYNCED:
             _commit_after_average(self, wrapper)
         return wrapper
