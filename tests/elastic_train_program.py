@@ -124,7 +124,9 @@ KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
                                "fragment_update_alpha": 0.5},
           # compressed from step 4 on: residuals, warm-started P and Q in the state
           "powersgd": {"rank": 2, "start_iter": 4},
-          "low_precision_decentralized": {"chunk_size": 64}}
+          "low_precision_decentralized": {"chunk_size": 64},
+          # 1-bit compressed momentum from step 4 on (worker and server residuals)
+          "qadam": {"warmup_steps": 4, "chunk_size": 64}}
 BATCH, LENGTH = 24, 24 * 40
 g = torch.Generator().manual_seed(1234)
 X = torch.randn(LENGTH, 16, generator=g)
@@ -145,7 +147,11 @@ class Training:
     def __init__(self, algorithm: str, scale_lr: bool) -> None:
         self.algorithm = algorithm
         self.model = make_model()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        if algorithm == "qadam":  # its own optimizer (momentum exchanged compressed)
+            from commlib.algorithms.qadam import QAdamOptimizer
+            self.optimizer = QAdamOptimizer(self.model.parameters(), lr=0.01)
+        else:
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.sampler = elastic.ElasticSampler(LENGTH, BATCH, seed=7)
         self.state = elastic.State(self.model, self.optimizer, self.sampler, ledger=[],
                                    scale_lr=scale_lr)

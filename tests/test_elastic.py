@@ -161,7 +161,7 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd", "diloco",
                                        "streaming_diloco", "powersgd",
-                                       "low_precision_decentralized"])
+                                       "low_precision_decentralized", "qadam"])
 def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
     synced = algorithm in ("local_sgd", "diloco")
     at = "14" if synced else "12"  # mid-round: the round is discarded

@@ -229,6 +229,18 @@ class QAdam(Algorithm):
                     cs.discard()
                     bucket.flat.fill_(float("nan"))
 
+    def regroup(self, saved_rank: int, saved_world_size: int) -> None:
+        """In another group (a shrink): the server-side error-feedback residuals are of
+        this rank's share of each bucket in the old group (``1/n`` of it, at the rank's
+        position), which the new group cuts otherwise: they are dropped (the server's
+        error feedback starts again from zero, as at the start of compression). The
+        worker residuals are of this rank's whole contribution and stay (zeroed on first
+        use if the padding for the new size differs). Rank-local."""
+        ctx = self._context("regroup")
+        if (saved_rank, saved_world_size) != (ctx.rank, ctx.world_size):
+            for cs in self._states:
+                cs.server = None
+
     def teardown(self, ctx: Context) -> None:
         ctx.run(release_workspaces)  # cached on the thread that ran the exchanges
 

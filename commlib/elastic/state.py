@@ -21,9 +21,8 @@ SYNCED = "synced"              # replicas equal where the algorithm says (synced
 POLICIES = {"gradient_allreduce": REPLICATED, "bytegrad": REPLICATED,
             "decentralized": PER_RANK, "local_sgd": SYNCED, "diloco": SYNCED,
             "streaming_diloco": PER_RANK, "powersgd": PER_RANK,
-            "low_precision_decentralized": PER_RANK}
+            "low_precision_decentralized": PER_RANK, "qadam": PER_RANK}
 UNSUPPORTED = {
-    "qadam": "its error-feedback residuals are per rank and tied to the world size",
     "async_model_average": "its background rounds are not tied to steps, so no step can be "
                            "agreed",
     "d_kfac": "its layer assignment and factors are tied to the world size",
@@ -74,22 +73,24 @@ class State:
       that are one step behind (one finished the step's exchange just before the death,
       another did not) receive it by broadcast from one that holds it. Otherwise the model,
       optimizer and algorithm state are copied at each commit and restored.
-    * ``decentralized``, ``low_precision_decentralized``, ``streaming_diloco``,
-      ``powersgd`` (replicas or algorithm states differ: ``streaming_diloco``'s fragments
-      meet the global weights at staggered steps, never all at once, so no step has
-      equal replicas to commit at; ``powersgd``'s error-feedback residuals are of each
-      rank's own gradient): each commit copies this rank's model, optimizer and algorithm state (``streaming_diloco``: the global
-      weights and outer momentum, its error-feedback residuals and an exchange in flight,
-      which the commit waits for; ``powersgd``: its residuals, the P and Q memories and
-      the random generator, the last three the same on every rank; none of them is shaped
-      by the world size, so a smaller group takes them as they are;
-      ``low_precision_decentralized``: its replicas ``x_pub``, ``x_left``, ``x_right``,
-      whose neighbour copies are rebuilt for the new ring when the survivors' wrapper
-      loads them, :meth:`~commlib.algorithms.base.Algorithm.regroup`); the last ``keep``
-      commits are kept. The survivors agree on the earliest last commit among them and
-      each restores its own copy of it. A non-blocking barrier every ``keep // 2``
-      commits keeps every rank within ``keep - 1`` commits of the others, so that commit
-      is always held (see :meth:`_fence_due`).
+    * per rank (``decentralized``, ``low_precision_decentralized``, ``streaming_diloco``,
+      ``powersgd``, ``qadam``: replicas or algorithm states differ): each commit copies
+      this rank's model, optimizer and algorithm state; the last ``keep`` commits are
+      kept. The survivors agree on the earliest last commit among them and each restores
+      its own copy of it. A non-blocking barrier every ``keep // 2`` commits keeps every
+      rank within ``keep - 1`` commits of the others, so that commit is always held (see
+      :meth:`_fence_due`). ``streaming_diloco``: its fragments meet the global weights at
+      staggered steps, never all at once, so no step has equal replicas to commit at; the
+      commit holds the global weights and outer momentum, the error-feedback residuals
+      and an exchange in flight (the commit waits for it). ``powersgd``: its residuals
+      (of this rank's gradient), the P and Q memories and the random generator (the same
+      on every rank); none is shaped by the world size, so a smaller group takes them as
+      they are. ``low_precision_decentralized``: its replicas ``x_pub``, ``x_left``,
+      ``x_right``; the copies of the neighbours are rebuilt for the new ring when the
+      survivors' wrapper loads them
+      (:meth:`~commlib.algorithms.base.Algorithm.regroup`). ``qadam``: the momentum and
+      frozen denominators (the same on every rank) and the residuals, whose server part
+      (of this rank's share in the old group) is dropped in a new group.
     * ``local_sgd`` and ``diloco``: a commit is taken where the algorithm's replicas meet
       (:meth:`~commlib.algorithms.base.Algorithm.synced_at`: after each average, after each
       outer step, every ``sync_every``-th step), right after it is applied: the model, the
@@ -103,9 +104,10 @@ class State:
     ``scale_lr``: after a shrink multiply each parameter group's ``lr`` by
     ``new size / old size`` (for jobs whose per-rank batch is fixed; with
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
-    Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`): ``qadam``,
+    Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`):
     ``async_model_average``, ``d_kfac``, ``dp_kfac``, ``sparseloco``, ``muloco``,
-    ``demo``; and ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no replica is kept).
+    ``demo``; and ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no
+    replica is kept).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None,
