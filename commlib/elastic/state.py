@@ -88,11 +88,11 @@ class State:
       they are. ``low_precision_decentralized``: its replicas ``x_pub``, ``x_left``,
       ``x_right``; the copies of the neighbours are rebuilt for the new ring when the
       survivors' wrapper loads them
-      (:meth:`~commlib.algorithms.base.Algorithm.regroup`). ``qadam``: the momentum and
+      (:meth:`~commlib.algorithms.Algorithm.regroup`). ``qadam``: the momentum and
       frozen denominators (the same on every rank) and the residuals, whose server part
       (of this rank's share in the old group) is dropped in a new group.
     * ``local_sgd`` and ``diloco``: a commit is taken where the algorithm's replicas meet
-      (:meth:`~commlib.algorithms.base.Algorithm.synced_at`: after each average, after each
+      (:meth:`~commlib.algorithms.Algorithm.synced_at`: after each average, after each
       outer step, every ``sync_every``-th step), right after it is applied: the model, the
       optimizer and the algorithm state (``diloco``: the global weights and the outer
       momentum, the same on every rank) are copied. A failure discards the partial round
