@@ -52,17 +52,12 @@ def blocking(comm: Communicator, op: str, what: Any, fn: Callable, *args: Any) -
     return call_blocking(comm, op, what, -1, fn, args)
 
 
-def blocking_counted(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
-                     *args: Any) -> Any:
-    """:func:`blocking`, and the call counted in the byte counters as ``nbytes`` handed to
-    MPI (``accounting.record``), under the same lock as its time: the hot path of small
-    collectives."""
-    return call_blocking(comm, op, what, nbytes, fn, args)
-
-
 def call_blocking(comm: Communicator, op: str, what: Any, nbytes: int, fn: Callable,
-         args: tuple) -> Any:
-    """:func:`blocking` (``nbytes < 0``) or :func:`blocking_counted` (``args``: a tuple)."""
+                  args: tuple) -> Any:
+    """:func:`blocking` of ``fn(*args)``; with ``nbytes >= 0`` the call is also counted in
+    the byte counters as ``nbytes`` handed to MPI (what ``accounting.record`` counts),
+    under the same lock as its time (``accounting.record_timed``): the hot path of small
+    collectives."""
     # comm.arm and comm.disarm written out: one thread id, no method calls (every
     # collective comes through here; see commlib.watchdog for the entry's meaning)
     armed = comm.watchdog.armed

@@ -66,7 +66,7 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     if node_shm.use(comm, buf, "allreduce"):  # one node: shared memory
         return node_shm.allreduce(comm, buf, op, tensor)
     call_blocking(comm, "allreduce", buf, buf.count * dt.host.itemsize, comm.mpi.Allreduce,
-                  (IN_PLACE, [buf.mem, buf.count, dt.mpi], mop))  # blocking_counted
+                  (IN_PLACE, [buf.mem, buf.count, dt.mpi], mop))
     if op is _AVG or buf._after is not None or buf._staging is not None:
         finish_reduce(buf, op, comm.size)
     return tensor
