@@ -41,7 +41,56 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-ms", type=float, default=10.0, help="one timed block (10 ms)")
     p.add_argument("--no-torch", action="store_true", help="numpy contenders only")
     p.add_argument("--json", type=Path, help="JSON output (default: none)")
+    p.add_argument("--summarize", nargs=2, metavar=("OLD_GLOB", "NEW_GLOB"),
+                   help="no MPI: compare the --json files of two commits' alternating runs "
+                        "(per run, each contender's best block minus raw mpi4py's; runs "
+                        "whose raw best block is within 30%% of the quietest run's count "
+                        "as quiet), print the table, write it with --json")
     return p.parse_args(argv)
+
+
+def _num(x: float | None, sign: str) -> str:
+    return "-" if x is None else f"{x:{sign}.2f}"
+
+
+def summarize(old_glob: str, new_glob: str, out: Path | None) -> None:
+    """Median over runs (all runs, and quiet runs only) of each contender's added time,
+    per commit and size, from bench_overhead JSON files."""
+    import glob
+    import json
+    runs = {tag: [json.loads(Path(f).read_text()) for f in sorted(glob.glob(pattern))]
+            for tag, pattern in (("old", old_glob), ("new", new_glob))}
+    raw_best = min(r["mpi4py"]["min_us"] for rs in runs.values() for d in rs
+                   for r in d["rows"])
+    table, result = [], {"raw_best_us": raw_best, "quiet_factor": 1.3, "rows": []}
+    sizes = sorted({r["bytes"] for rs in runs.values() for d in rs for r in d["rows"]})
+    for size in sizes:
+        quiet_raw = min(r["mpi4py"]["min_us"] for rs in runs.values() for d in rs
+                        for r in d["rows"] if r["bytes"] == size)
+        for tag, rs in runs.items():
+            rows = [r for d in rs for r in d["rows"] if r["bytes"] == size]
+            quiet = [r for r in rows if r["mpi4py"]["min_us"] <= 1.3 * quiet_raw]
+            entry: dict[str, Any] = {"bytes": size, "commit": tag, "runs": len(rows),
+                                     "quiet_runs": len(quiet)}
+            for name in [k for k in rows[0] if isinstance(rows[0][k], dict)]:
+                def added(sel: list) -> float | None:
+                    return statistics.median(r[name]["min_us"] - r["mpi4py"]["min_us"]
+                                             for r in sel) if sel else None
+                entry[name] = {"best_us_quiet": statistics.median(
+                                   r[name]["min_us"] for r in quiet) if quiet else None,
+                               "added_us_all": added(rows), "added_us_quiet": added(quiet)}
+            result["rows"].append(entry)
+            names = [k for k in entry if isinstance(entry[k], dict)]
+            table.append([C.fmt_size(size), tag, f"{len(quiet)}/{len(rows)}"]
+                         + [_num(entry[k]["best_us_quiet"], "") for k in names]
+                         + [_num(entry[k]["added_us_quiet"], "+") for k in names
+                            if k != "mpi4py"])
+            heads = (["size", "commit", "quiet runs"] + [f"{k} us" for k in names]
+                     + [f"{k} added" for k in names if k != "mpi4py"])
+    print(C.format_table(heads, table, title="best block per run, median over the quiet "
+                         "runs; added = median of (contender - mpi4py) per quiet run"))
+    if out:
+        C.write_json(out, result)
 
 
 def contenders(count: int, use_torch: bool, raw: Any) -> dict[str, Callable[[], Any]]:
@@ -65,6 +114,9 @@ def contenders(count: int, use_torch: bool, raw: Any) -> dict[str, Callable[[], 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.summarize:
+        summarize(*args.summarize, args.json)
+        return 0
     import commlib
     from mpi4py import MPI
     commlib.init()
