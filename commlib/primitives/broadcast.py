@@ -6,7 +6,7 @@ from typing import Any
 from .. import accounting
 from ..buffers import adapt
 from . import node_shm
-from ._base import after, blocking, resolve
+from ._base import after, call_blocking, resolve
 from .work import Work
 
 
@@ -26,11 +26,11 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
         comm.verify("broadcast", {"shape": buf.shape, "dtype": buf.dt.name, "src": src})
     if not async_op and node_shm.use(comm, buf, "broadcast"):  # one node: shared memory
         return node_shm.broadcast(comm, buf, src, tensor)
-    accounting.record("broadcast", buf.nbytes, comm.size)
     if async_op:
+        accounting.record("broadcast", buf.nbytes, comm.size)
         request = comm.mpi.Ibcast(buf.msg(), src)
         return Work(comm, "broadcast", buf, after(request, buf, result=tensor))
-    blocking(comm, "broadcast", buf, comm.mpi.Bcast, buf.msg(), src)
+    call_blocking(comm, "broadcast", buf, buf.nbytes, comm.mpi.Bcast, (buf.msg(), src))
     buf.finish()
     return tensor
 

@@ -9,7 +9,7 @@ from .. import accounting
 from ..buffers import Buf, adapt
 from ..communicator import Communicator
 from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
-from ._base import blocking, finish_reduce, resolve
+from ._base import call_blocking, finish_reduce, resolve
 from .work import Work
 
 
@@ -33,11 +33,11 @@ def reduce(tensor: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: Any = 
     if comm.checking:
         comm.verify("reduce", {"shape": buf.shape, "dtype": buf.dt.name, "op": op.name,
                                "dst": dst})
-    accounting.record("reduce", buf.nbytes, comm.size)
     send, recv = (MPI.IN_PLACE, buf.msg()) if is_root else (buf.msg(), None)
     if async_op:
+        accounting.record("reduce", buf.nbytes, comm.size)
         return Work(comm, "reduce", buf, _async(comm, buf, op, mop, dst, send, recv, tensor))
-    blocking(comm, "reduce", buf, comm.mpi.Reduce, send, recv, mop, dst)
+    call_blocking(comm, "reduce", buf, buf.nbytes, comm.mpi.Reduce, (send, recv, mop, dst))
     _finish(buf, op, comm, is_root)
     return tensor
 
