@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 LAYERS = [
     {"kernels"},
     {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
-     "mpi_env", "shutdown", "shm", "launch", "ucx_env", "mpi_impl"},
+     "host_views", "mpi_env", "shutdown", "shm", "launch", "ucx_env", "mpi_impl"},
     {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "failure_detection",
      "agreement", "ft_backend"},
     {"primitives", "timeline", "topology"},

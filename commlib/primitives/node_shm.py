@@ -73,21 +73,27 @@ survivors' reads never fault; the window of a failed communicator is never freed
 """
 from __future__ import annotations
 
-import weakref
 from time import perf_counter, sleep
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import accounting, exits
+from .. import accounting
 from ..buffers import Buf
 from ..communicator import Communicator
-from ..dtypes import DType, f32_to_bf16
 from ..errors import CommError, where
 from ..options import options
 from ..reduce_ops import ReduceOp
+from . import shm_window
 from ._base import finish_reduce
+from .shm_reduce import Combine, combiner
+from .shm_window import RETIRED, NodeWindow
+
+__all__ = ["AUTO_RANGES", "COUNTS", "HIERARCHICAL_MAX_BYTES", "RETIRED", "SEGMENT_BYTES",
+           "WHOLE_STEP_BYTES", "NodeWindow", "allgather", "allreduce", "auto", "broadcast",
+           "combiner", "hierarchical_allreduce", "reduce_all", "reduce_scatter", "use",
+           "use_hierarchical", "window"]
 
 #: Bytes of one half of a rank's segment: the most one step moves per rank (the window
 #: holds 2 x this per rank). 1 MiB: at 2 ranks the step's working set stays in the L2/L3
@@ -123,148 +129,11 @@ COUNTS = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0, "broadcast": 0,
           "hierarchical": 0}
 
 
-class NodeWindow:
-    """The shared-memory window of the ranks of one communicator's node.
-
-    ``whole``: every rank of the communicator is in it (the flat collectives may use it).
-    ``every_node``: every node of the communicator has more than one rank and a window
-    (the hierarchical allreduce may use them).
-    ``comm``: the window's communicator (the node's ranks, in the communicator's order;
-    fault-tolerant when the mode is on). ``segments[k]``: rank ``k``'s segment as bytes,
-    two halves of ``half_bytes``.
-    """
-
-    def __init__(self, comm: Any, win: Any, segments: list[np.ndarray], whole: bool,
-                 poll_s: float, half_bytes: int, every_node: bool = False,
-                 leaders: Any = None) -> None:
-        self.comm = comm
-        self.every_node = every_node  # every node of the communicator has a window
-        self.leaders = leaders  # node leaders (own MPI communicator; None off the leaders)
-        self.half_bytes = half_bytes  # SEGMENT_BYTES when the window was made
-        self.win = win
-        self.segments = segments
-        self.whole = whole
-        self.poll_s = poll_s
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.step = 0
-        self.freed = False
-        self._views: dict[tuple, list[np.ndarray]] = {}
-
-    def half(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """Every rank's view of ``count`` elements of ``dtype`` in the next step's half."""
-        h = self.step & 1
-        self.step += 1
-        key = (dtype, h)
-        views = self._views.get(key)
-        if views is None:
-            lo, hi = h * self.half_bytes, (h + 1) * self.half_bytes
-            views = self._views[key] = [seg[lo:hi].view(dtype) for seg in self.segments]
-        return [v[:count] for v in views]
-
-    def sync(self) -> None:
-        """Barrier over the node, with the window's memory synchronized on both sides."""
-        win = self.win
-        win.Sync()
-        if self.poll_s:
-            req = self.comm.Ibarrier()
-            while not req.Test():
-                sleep(self.poll_s)
-        else:
-            self.comm.Barrier()
-        win.Sync()
-
-    def free(self) -> None:
-        """Collective over the node: free the window and its communicator (kept when the
-        communicator has failed, fault-tolerant mode)."""
-        if self.freed:
-            return
-        self.freed = True
-        if getattr(self.comm, "failed", False) or exits.leaving():
-            # MPI_Win_free is collective: a rank tearing down on an error path (Lightning's
-            # teardown after sys.exit(1) destroys the process group while rank 0 trains on)
-            # would wait in it forever; the process's end releases the window instead
-            RETIRED.append(self)
-            return
-        self.segments = []
-        self._views = {}
-        self.win.Unlock_all()
-        self.win.Free()
-        self.comm.Free()
-        if self.leaders is not None:
-            self.leaders.Free()
-
-
-#: Windows of communicators freed while this rank was leaving (:func:`commlib.exits.leaving`)
-#: or failed: never freed (``MPI_Win_free`` is collective), kept referenced until the end.
-RETIRED: list["NodeWindow"] = []
-
-_WINDOWS: "weakref.WeakKeyDictionary[Communicator, NodeWindow | None]" = \
-    weakref.WeakKeyDictionary()
-
-
 def window(comm: Communicator) -> NodeWindow | None:
-    """``comm``'s node window, made on first use (collective over ``comm``: every rank
-    calls it the first time together); None when this rank's node has one rank or its
-    ranks cannot share memory. The answer of ``.whole`` is the same on every rank."""
-    try:
-        return _WINDOWS[comm]
-    except KeyError:
-        pass
-    # collective, under the watchdog like any blocking call: a peer that left (or never
-    # comes) ends the job through the exit agreement or the timeout, not a silent hang
-    comm.arm("shared-memory window", "the node's shared-memory window")
-    try:
-        local, leaders = comm.node()
-        nw = _make(comm, local, leaders)
-    finally:
-        comm.disarm()
-    _WINDOWS[comm] = nw
-    if nw is not None:
-        comm.on_free.append(nw.free)
-    return nw
-
-
-def _make(comm: Communicator, local: Communicator,
-          leaders: Communicator | None) -> NodeWindow | None:
-    whole = local.size == comm.size
-    # node() may be emulated (COMMLIB_LOCAL_SIZE): its ranks share memory only if one
-    # shared-memory split of it keeps them all together; every rank of the communicator
-    # learns whether every node can (the flat path's decision must be the same on all).
-    shared = local.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=local.rank)
-    ok = shared != MPI.COMM_NULL and shared.Get_size() == local.size and local.size > 1
-    everyone = comm.mpi.allgather(bool(ok))
-    whole = whole and all(everyone)
-    # the hierarchical allreduce's leaders exchange on a communicator of their own, so
-    # that its blocking calls never interleave with nonblocking ones on leaders
-    lead = leaders.mpi.Dup() if leaders is not None else None
-    if not ok:
-        if shared != MPI.COMM_NULL:
-            shared.Free()
-        if lead is not None:
-            lead.Free()
-        return None
-    half = SEGMENT_BYTES
-    info = MPI.Info.Create()
-    info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's pages
-    try:
-        if options.fault_tolerant:
-            from ..fault_tolerance import in_thread
-            win = in_thread(shared, "Win_allocate_shared", MPI.Win.Allocate_shared,
-                            2 * half, 1, info, shared)
-        else:
-            win = MPI.Win.Allocate_shared(2 * half, 1, info, shared)
-    finally:
-        info.Free()
-    win.Lock_all(MPI.MODE_NOCHECK)
-    segments = []
-    for k in range(shared.Get_size()):
-        mem, _ = win.Shared_query(k)
-        segments.append(np.frombuffer(mem, dtype=np.uint8, count=2 * half))
-    segments[shared.Get_rank()][:] = 0  # first touch: the pages on this rank's NUMA node
-    nw = NodeWindow(shared, win, segments, whole, comm.poll_s, half, all(everyone), lead)
-    nw.sync()
-    return nw
+    """``comm``'s node window (:func:`commlib.primitives.shm_window.window`), made on first
+    use with segments of ``2 x`` :data:`SEGMENT_BYTES` (collective over ``comm`` the first
+    time); None when this rank's node has one rank or its ranks cannot share memory."""
+    return shm_window.window(comm, SEGMENT_BYTES)
 
 
 def auto(op: str, nbytes: int) -> bool:
@@ -308,73 +177,6 @@ def use(comm: Communicator, buf: Buf, op: str) -> bool:
     return nw is not None and nw.whole
 
 
-# -- reductions ----------------------------------------------------------------------------
-
-_LOGICAL = {ReduceOp.SUM: np.logical_or, ReduceOp.MAX: np.logical_or,
-            ReduceOp.BOR: np.logical_or, ReduceOp.MIN: np.logical_and,
-            ReduceOp.PRODUCT: np.logical_and, ReduceOp.BAND: np.logical_and,
-            ReduceOp.BXOR: np.logical_xor}
-_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
-          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
-          ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}
-
-Combine = Callable[[np.ndarray, list], None]
-
-
-_combiners: dict[tuple[ReduceOp, str], Combine] = {}
-
-
-def combiner(op: ReduceOp, dt: DType) -> Combine:
-    """``combine(dst, srcs)``: ``dst[...] = srcs[0] op srcs[1] op ... op srcs[-1]``, left
-    to right (rank order); ``dst`` may be ``srcs[0]`` itself, no other source. ``op`` must
-    be valid for ``dt`` (``commlib.reduce_ops.mpi_op`` checked it)."""
-    key = (op, dt.name)
-    found = _combiners.get(key)
-    if found is None:
-        found = _combiners[key] = _make_combiner(op, dt)
-    return found
-
-
-def _make_combiner(op: ReduceOp, dt: DType) -> Combine:
-    ufunc = _LOGICAL[op] if dt.kind == "b" else _UFUNC[op]
-    if dt.name in ("bfloat16", "float16"):
-        return _half_combiner(ufunc, dt.name == "bfloat16")
-
-    def combine(dst: np.ndarray, srcs: list) -> None:
-        if len(srcs) == 1:
-            if dst is not srcs[0]:
-                np.copyto(dst, srcs[0])
-            return
-        ufunc(srcs[0], srcs[1], out=dst)
-        for src in srcs[2:]:
-            ufunc(dst, src, out=dst)
-
-    return combine
-
-
-def _half_combiner(ufunc: Any, bf16: bool) -> Combine:
-    def widen(words: np.ndarray, out: np.ndarray) -> np.ndarray:
-        if bf16:
-            wide = out.view(np.uint32)
-            np.copyto(wide, words)
-            np.left_shift(wide, 16, out=wide)
-        else:
-            np.copyto(out, words.view(np.float16))
-        return out
-
-    def combine(dst: np.ndarray, srcs: list) -> None:
-        acc = widen(srcs[0], np.empty(dst.size, np.float32))
-        tmp = np.empty(dst.size, np.float32)
-        for src in srcs[1:]:
-            ufunc(acc, widen(src, tmp), out=acc)
-        if bf16:
-            dst[...] = f32_to_bf16(acc)
-        else:
-            dst.view(np.float16)[...] = acc
-
-    return combine
-
-
 # -- the collectives -----------------------------------------------------------------------
 
 class _Timed:
@@ -395,7 +197,7 @@ class _Timed:
 
 
 def _node(comm: Communicator, op: str) -> NodeWindow:
-    nw = _WINDOWS.get(comm)
+    nw = shm_window.made(comm)
     if nw is None or not nw.whole:
         raise CommError(f"{where(op, comm.rank)}: the shared-memory path needs every rank "
                         f"of {comm.describe()} on one node (commlib.primitives.node_shm.use "
@@ -452,7 +254,7 @@ def hierarchical_allreduce(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any,
     leaders over MPI (``mop``) and puts the result back in the window, and every rank of
     the node copies it out (three barriers per step). Returns ``result``; every rank ends
     with the same bytes."""
-    nw = _WINDOWS.get(comm)
+    nw = shm_window.made(comm)
     if nw is None or not nw.every_node:
         raise CommError(f"{where('allreduce', comm.rank)}: the shared-memory node tier "
                         f"needs a window on every node of {comm.describe()}")
