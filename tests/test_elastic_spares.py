@@ -14,8 +14,7 @@ standing by, then a trainer (3+2: the trainers recover among themselves, the dea
 is passed over, the second spare joins); ``spares`` larger than the job refused on every
 rank. (Passed by hand on Open MPI with ``--with-ft ulfm`` and on Intel MPI too, 2026-12-05;
 tests/run_all.sh runs it on MPICH only.) Negative control: a joining spare that keeps its
-own model instead
-of the state it received (``--skip-spare-state``): the check must see the difference.
+own model instead of the state it received (``--skip-spare-state``): the check must see the difference.
 """
 from __future__ import annotations
 
@@ -123,7 +122,10 @@ def test_a_spare_dies_while_standing_by(tmp_path, reference):
     check(found, [0, 1, 4], reference, status, out)
     for rank in (0, 1):
         recs = found[rank]["recoveries"]
-        assert recs[0]["members"] == [0, 1, 2] and 3 in recs[0]["failed"], recs
+        # (seen apart, the spare's death is a recovery of its own, members [0, 1, 2]; on a
+        # loaded machine the trainers may run the 10 steps before they see it, and then
+        # one recovery counts both deaths)
+        assert any(3 in x.get("failed", ()) for x in recs), recs
         assert merges(found[rank]) == [([0, 1, 4], [4])], recs
     assert not results(str(tmp_path), "spare")
 
