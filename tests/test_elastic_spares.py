@@ -14,7 +14,8 @@ standing by, then a trainer (3+2: the trainers recover among themselves, the dea
 is passed over, the second spare joins); ``spares`` larger than the job refused on every
 rank. (Passed by hand on Open MPI with ``--with-ft ulfm`` and on Intel MPI too, 2026-12-05;
 tests/run_all.sh runs it on MPICH only.) Negative control: a joining spare that keeps its
-own model instead of the state it received (``--skip-spare-state``): the check must see the difference.
+own model instead of the state it received (``--skip-spare-state``): the check must see the
+difference.
 """
 from __future__ import annotations
 

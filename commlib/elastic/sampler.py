@@ -22,9 +22,9 @@ class ElasticSampler:
     ``batch_size`` divides by the group size). With warm spares (``run(spares=K)``) the
     shards follow the trainers' group alike: idle spares read nothing, and a spare that
     joined reads the share of its group rank (after the survivors'), so a group back at
-    ``N`` ranks reads each global batch as ``N`` ranks without failure would. Bound to a :class:`commlib.elastic.State` as
-    its ``sampler``, iterating yields this rank's index lists from the state's step to the end
-    of that step's epoch.
+    ``N`` ranks reads each global batch as ``N`` ranks without failure would. Bound to a
+    :class:`commlib.elastic.State` as its ``sampler``, iterating yields this rank's index
+    lists from the state's step to the end of that step's epoch.
     """
 
     def __init__(self, length: int, batch_size: int, shuffle: bool = True,
