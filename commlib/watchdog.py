@@ -46,15 +46,25 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
             now = time.monotonic()
-            for deadline, what in list(self.armed.values()):
-                if now > deadline:
-                    self._on_expiry(what)
-                    return
+            expired = self._expired(now)
+            if expired is not None:
+                self._on_expiry(expired[0])
+                return
             for poll in POLLERS:
                 try:
                     poll(self.armed, now)
                 except Exception as exc:  # noqa: BLE001 - the deadlines must stay watched
                     write_stderr(f"[commlib] watchdog: {poll.__qualname__} failed: {exc!r}")
+
+    def _expired(self, now: float) -> tuple[Any] | None:
+        """``(what,)`` of a passed deadline, else None. A function of its own, so that no
+        entry stays referenced between ticks: an entry's ``what`` holds the call's buffers
+        (a loop variable of ``_run`` kept the last one seen, and so the user's tensor,
+        alive until the next entry came along: tests/test_buffers_cache.py saw it)."""
+        for deadline, what in list(self.armed.values()):
+            if now > deadline:
+                return (what,)
+        return None
 
 
 def abort_job(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
