@@ -112,7 +112,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
             "allreduce, reduce_scatter, allgather and broadcast of host memory when every "
             "rank of the group is on one node: auto (the default) in the size ranges where "
             "it was measured faster than MPI (node_shm.AUTO_RANGES: allreduce 16 KiB-2 MiB "
-            "and from 16 MiB, reduce_scatter from 256 KiB), 1 at any size, 0 never (MPI "
+            "and from 32 MiB, reduce_scatter from 256 KiB), 1 at any size, 0 never (MPI "
             "only); set it alike on every rank"),
     "force_staging": (_as_bool, False, "COMMLIB_FORCE_STAGING",
                       "route CPU torch tensors through the host staging path used for GPU "

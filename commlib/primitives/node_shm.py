@@ -51,7 +51,7 @@ a blocking call (``async_op=True`` stays on MPI), on host memory (numpy arrays, 
 tensors, and the host staging of GPU buffers), when every rank of the communicator is on
 one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer's size is in one of
 the ranges of :data:`AUTO_RANGES` for that operation, where it beat MPI in
-``benchmarks/bench_collectives.py --shm`` (allreduce from 16 KiB to 2 MiB and from 16 MiB
+``benchmarks/bench_collectives.py --shm`` (allreduce from 16 KiB to 2 MiB and from 32 MiB
 on, reduce_scatter from 256 KiB on; allgather and broadcast never: MPI's single-copy
 transfers move fewer bytes); ``COMMLIB_SHM=1`` takes it at any size, ``COMMLIB_SHM=0``
 never. The decision depends only
@@ -103,16 +103,18 @@ SEGMENT_BYTES = 1 << 20
 #: rank; ``high`` None: no bound) it takes through shared memory. Measured at 2 ranks on
 #: the development machine with MPICH 5.0.2 on a quiet machine (benchmarks/README.md,
 #: "Shared memory inside a node"): allreduce wins from 16 KiB (one barrier and two copies
-#: against MPI's protocol) to 1 MiB, loses from 2 to 16 MiB (2026-12-05: to 8 MiB) where MPI's buffers stay in
+#: against MPI's protocol) to 1 MiB, loses from 2 to 16 MiB where MPI's buffers stay in
 #: the 32 MiB L3 and its single-copy transfers move fewer bytes, and wins 3x at 64 MiB
 #: (MPI falls to 2.4 GB/s busbw out of the cache, the tier keeps its 1 MiB steps in it);
-#: a rerun on 2026-12-05 (quiet): 4 and 8 MiB 0.78-0.80x, 16 MiB 1.16x, 25 MiB (a DDP
-#: bucket) 1.18x, 32 MiB 3.0x, so the second range starts at 16 MiB;
+#: reruns on 2026-12-05 (quiet, 4 runs; results/collectives_shm_range_n2_mpich*.json):
+#: 16 MiB 1.04-1.17x, 25 MiB 1.17-1.22x in 2 runs but 0.38-0.40x (median; best 0.38-1.03)
+#: in the other 2 (a slow mode of the tier at that size, cause not found), 32-64 MiB
+#: 2.8-3.1x in all: the second range stays at 32 MiB until the slow mode is understood;
 #: reduce_scatter wins 1.4-3.8x from 256 KiB on; allgather and broadcast never win at 2
 #: ranks (MPI's single-copy transfers: one copy per byte against the tier's two).
 #: Each operation's ranges are in ascending order (auto() stops below the first).
 AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
-    "allreduce": ((16 << 10, 2 << 20), (16 << 20, None)),
+    "allreduce": ((16 << 10, 2 << 20), (32 << 20, None)),
     "reduce_scatter": ((256 << 10, None),),
     "allgather": (),
     "broadcast": (),
