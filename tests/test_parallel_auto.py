@@ -41,6 +41,22 @@ def reference_step(model, opt, xs, ys, lossf, micro=MICRO):
     return total / (micro * len(xs))
 
 
+def compare(trainer, ref, x):
+    """(largest difference of this rank's replicated parameters from ``ref``'s, of the
+    eval output on ``x``, this rank's state dict, the names of its sharded parameters)."""
+    state = trainer.state_dict()
+    sharded = {k for s in trainer.pipeline.local_ids
+               for k, q in trainer.partition[s].named_parameters()
+               if getattr(q, "tensor_parallel", False)}
+    ref_state = ref.state_dict(keep_vars=True)
+    param_err = max([(state[k].double() - ref_state[k].detach().double()).abs().max().item()
+                     for k in state if k not in sharded] + [0.0])
+    with torch.no_grad():
+        expect = ref(x)
+    eval_err = (trainer.eval_step(x) - expect).abs().max().item()
+    return param_err, eval_err, state, sharded
+
+
 def run(name, pp, tp, dp, skip_dp=False):
     model, x, y, lossf = make(name, seed=pp * 16 + tp * 4 + dp)
     ref = copy.deepcopy(model)
@@ -61,17 +77,8 @@ def run(name, pp, tp, dp, skip_dp=False):
         loss = trainer.train_step(xs[me], ys[me])
         opt.step()
         loss_err = max(loss_err, abs(loss - reference_step(ref, ref_opt, xs, ys, lossf)))
-    state = trainer.state_dict()
-    sharded = {k for s in trainer.pipeline.local_ids
-               for k, q in trainer.partition[s].named_parameters()
-               if getattr(q, "tensor_parallel", False)}
-    ref_state = ref.state_dict(keep_vars=True)
-    param_err = max([(state[k].double() - ref_state[k].detach().double()).abs().max().item()
-                     for k in state if k not in sharded] + [0.0])
-    with torch.no_grad():
-        expect = ref(x)
-    eval_err = (trainer.eval_step(x) - expect).abs().max().item()
-    names_ok = set(state) <= set(ref_state)
+    param_err, eval_err, state, sharded = compare(trainer, ref, x)
+    names_ok = set(state) <= set(ref.state_dict())
     if tp > 1:   # the layout really shards: some Linear of this rank is split
         names_ok &= len(sharded) > 0
     trainer.close()
@@ -163,16 +170,7 @@ def run_ddp(name, pp, tp, dp, schedule, steps, algorithm, ddp_kwargs=None, avera
     if average is not None and steps in average:
         for w in trainer.ddp:   # the average due after the last step, applied now
             w.average_parameters()
-    state = trainer.state_dict()
-    sharded = {k for s in trainer.pipeline.local_ids
-               for k, q in trainer.partition[s].named_parameters()
-               if getattr(q, "tensor_parallel", False)}
-    ref_state = ref.state_dict(keep_vars=True)
-    param_err = max([(state[k].double() - ref_state[k].detach().double()).abs().max().item()
-                     for k in state if k not in sharded] + [0.0])
-    with torch.no_grad():
-        expect_out = ref(x)
-    eval_err = (trainer.eval_step(x) - expect_out).abs().max().item()
+    param_err, eval_err, _, _ = compare(trainer, ref, x)
     trainer.close()
     return loss_err, param_err, eval_err
 
