@@ -114,6 +114,18 @@ def step_times(step: Callable[[], Any], warmup: int, steps: int) -> list[float]:
     return times
 
 
+def torch_schedule_step(sched: Any, rank: int, stages: int, inputs: Any,
+                        targets: Any) -> None:
+    """One ``step`` of a ``torch.distributed.pipelining`` schedule on this rank: the first
+    stage feeds ``inputs``, the last takes ``targets``, the others neither."""
+    if rank == 0:
+        sched.step(inputs)
+    elif rank == stages - 1:
+        sched.step(target=targets)
+    else:
+        sched.step()
+
+
 def summarize(samples: Sequence[float]) -> dict[str, Any]:
     """Median, min and max of per-call times in seconds, and the samples, in microseconds."""
     us = [s * 1e6 for s in samples]

@@ -113,12 +113,7 @@ def main(argv=None) -> int:
         sched = cls(stage, m, loss_fn=loss_fn)
 
         def step(x, y):
-            if rank == 0:
-                sched.step(x)
-            elif rank == n - 1:
-                sched.step(target=y)
-            else:
-                sched.step()
+            C.torch_schedule_step(sched, rank, n, x, y)
         del dist
         return step, None
 

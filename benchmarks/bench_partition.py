@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 import commlib  # noqa: E402
 import commlib.mpi_impl  # noqa: E402
+import _common as C  # noqa: E402
 import gpt  # noqa: E402
 
 
@@ -68,14 +69,19 @@ def stage_times(stages: list, x: torch.Tensor, reps: int) -> list:
     return [min(v[1:]) for v in samples]
 
 
+def gpt_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy over every position."""
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                             targets.reshape(-1))
+
+
 def step_time(stages: list, x: torch.Tensor, y: torch.Tensor, micro: int, steps: int,
               pipes: dict, key: str) -> float:
     pipe = pipes.get(key)
     if pipe is None:
         pipe = pipes[key] = commlib.pipeline.Pipeline(
             stages, schedule="1f1b", micro_batches=micro,
-            loss_fn=lambda out, t: torch.nn.functional.cross_entropy(
-                out.reshape(-1, out.shape[-1]), t.reshape(-1)))
+            loss_fn=gpt_loss)
         pipe.train_step(x, y)   # shapes agreed, warm-up
     commlib.barrier()
     t0 = time.perf_counter()
@@ -203,21 +209,12 @@ def torch_pipeline(cfg, count: int, x: torch.Tensor, micro: int):
             for k in range(1, count)}
     pipe = tpp.pipeline(model, mb_args=(x,), split_spec=spec)
     stage = pipe.build_stage(rank, torch.device("cpu"), group=gloo)
-
-    def loss_fn(out, t):
-        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
-                                                 t.reshape(-1))
-    sched = tpp.Schedule1F1B(stage, micro, loss_fn=loss_fn)
+    sched = tpp.Schedule1F1B(stage, micro, loss_fn=gpt_loss)
 
     def step(xs: torch.Tensor, ys: torch.Tensor) -> float:
         commlib.barrier()
         t0 = time.perf_counter()
-        if rank == 0:
-            sched.step(xs)
-        elif rank == count - 1:
-            sched.step(target=ys)
-        else:
-            sched.step()
+        C.torch_schedule_step(sched, rank, count, xs, ys)
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         commlib.allreduce(took, op=commlib.ReduceOp.MAX)
         return float(took[0])
