@@ -213,7 +213,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="target = sync final accuracy minus this (fraction; 0.005 = 0.5 pp)")
     p.add_argument("--loss-tolerance", type=float, default=0.01,
                    help="GPT target = sync final validation loss times 1 + this")
-    p.add_argument("--gpt-size", default="small", choices=("default", "small", "mini", "tiny"),
+    p.add_argument("--gpt-size", default="small", choices=("default", "small", "mini", "tiny", "wide"),
                    help="GPT size (benchmarks/gpt.py): default 1.85 M, small 1.05 M params")
     p.add_argument("--gpt-steps-per-epoch", type=int, default=16)
     p.add_argument("--gpt-lr", type=float, default=3e-3, help="AdamW rate (qadam: / 10)")

@@ -33,6 +33,9 @@ CONTENDERS: dict[str, tuple[str | None, dict[str, Any], str]] = {
     "sparseloco": ("sparseloco", {"sync_every": 8}, "sgd"),
     "muloco": ("muloco", {"sync_every": 8}, "muon"),
     "demo": ("demo", {"chunk_size": 64, "topk": 32}, "sign"),
+    # synchronous training with MuLoCo's inner optimizer (Muon for matrices, AdamW for
+    # the rest): what muloco's loss owes to Muon rather than to its outer loop
+    "gradient_allreduce_muon": ("gradient_allreduce", {}, "muon"),
     "torch_ddp_gloo": (None, {}, "sgd"),
     "torch_ddp_powersgd": (None, {"rank": 4, "start_iter": "epoch"}, "sgd"),
     "control_nocomm": (None, {}, "sgd"),

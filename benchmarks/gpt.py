@@ -51,7 +51,11 @@ DEFAULT = Config()
 SMALL = Config(d_model=144, layers=4, heads=4, context=64)     # 1.05 M parameters
 MINI = Config(d_model=64, layers=2, heads=2, context=32)     # 0.12 M parameters
 TINY = Config(d_model=32, layers=2, heads=2, context=32)     # 35 k parameters
-SIZES = {"default": DEFAULT, "small": SMALL, "mini": MINI, "tiny": TINY}
+#: link-dominated at 1 Gbit/s (issue 32): 6.6 M parameters (26 MB of float32 gradients,
+#: about 0.2 s of a 1 Gbit/s link per allreduce) on few tokens per step: on a CPU core a
+#: step is link-dominated at 1 Gbit/s only below ~40 tokens per rank (batch 2 x 16)
+WIDE = Config(d_model=512, layers=2, heads=8, context=16)
+SIZES = {"default": DEFAULT, "small": SMALL, "mini": MINI, "tiny": TINY, "wide": WIDE}
 
 
 def stdlib_files(root: str | None = None) -> list[str]:
