@@ -17,7 +17,8 @@ budget; a job that does not fit is skipped and listed. Each job writes its own J
   unshaped runs and validated on every shaped run (error per run), the bytes check, which
   algorithm on the emulated cluster (measured and predicted) and at scale;
 * ``OUT/tta_gpt_section.md``: all of it as one Markdown section, spliced into
-  ``--readme`` between ``<!-- tta-gpt:begin -->`` and ``<!-- tta-gpt:end -->``.
+  ``--readme`` between ``<!-- tta-gpt:begin -->`` and ``<!-- tta-gpt:end -->`` (``--marker``
+  names another pair: ``tta-gpt-2x1`` for the link-bound 2x1 grid).
 """
 from __future__ import annotations
 
@@ -32,7 +33,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 BENCH = os.path.join(HERE, "bench_time_to_accuracy.py")
-BEGIN, END = "<!-- tta-gpt:begin -->", "<!-- tta-gpt:end -->"
+def markers(name: str = "tta-gpt") -> tuple[str, str]:
+    """The comment pair a grid's section is spliced between."""
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+BEGIN, END = markers()
 
 
 def jobs(shapes: list[str], rates: list[float], seeds: list[int], calibrate: bool,
@@ -149,8 +155,9 @@ def render(args: argparse.Namespace, grid: dict) -> str:
     return section
 
 
-def splice(readme: str, section: str) -> None:
-    """Replace what lies between the markers of ``readme`` with ``section``."""
+def splice(readme: str, section: str, marker: str = "tta-gpt") -> None:
+    """Replace what lies between the ``marker`` pair of ``readme`` with ``section``."""
+    BEGIN, END = markers(marker)
     with open(readme) as fh:
         text = fh.read()
     if BEGIN not in text or END not in text:
@@ -177,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--readme", default=None, help="splice the section into this file")
+    p.add_argument("--marker", default="tta-gpt",
+                   help="between <!-- MARKER:begin --> and <!-- MARKER:end --> of --readme")
     p.add_argument("--render-only", action="store_true",
                    help="no jobs: render OUT/tta_gpt_grid.json's finished jobs again")
     p.add_argument("--verbose", action="store_true", help="show each job's output")
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         grid = run_grid(args, bench_args)
     section = render(args, grid)
     if args.readme:
-        splice(args.readme, section)
+        splice(args.readme, section, args.marker)
     print(f"grid: {len(grid['done'])} jobs in {grid['grid_s']:.0f} s; skipped "
           f"{len(grid['skipped'])}, failed {len(grid['failed'])}")
     return 1 if grid["failed"] else 0

@@ -35,6 +35,7 @@ DELAY_MS=${DELAY_MS:-0.5}           # one way (netem, or the TUN delay line with
 PIN=${PIN:-auto}                   # one core per rank where the machine has one (2x1)
 OUT=${OUT:-benchmarks/results}
 README=${README-benchmarks/README.md}
+MARKER=${MARKER:-tta-gpt}          # the README section: tta-gpt-2x1 for the 2x1 grid
 
 if [[ "${1:-}" == "--smoke" ]]; then
     SIZE=tiny EPOCHS=2 STEPS_PER_EPOCH=6 EVAL_EVERY=4 SEEDS=0,1 RATES=1000 EXTRA_RATES= \
@@ -48,7 +49,7 @@ fi
 export COMMLIB_TIMEOUT=${COMMLIB_TIMEOUT:-300}
 exec flock /tmp/commlib-bench.lock "$PYTHON" benchmarks/bench_time_to_accuracy_grid.py \
     --budget-min "$BUDGET_MIN" --margin "$MARGIN" --shapes "$SHAPES" --rates "$RATES" \
-    --extra-rates "$EXTRA_RATES" --seeds "$SEEDS" --out "$OUT" ${README:+--readme "$README"} \
+    --extra-rates "$EXTRA_RATES" --seeds "$SEEDS" --out "$OUT" ${README:+--readme "$README" --marker "$MARKER"} \
     ${RESUME:+--resume} \
     -- --gpt-size "$SIZE" --epochs "$EPOCHS" --gpt-steps-per-epoch "$STEPS_PER_EPOCH" \
     --batch "$BATCH" --gpt-lr "$LR" --eval-every "$EVAL_EVERY" --gpt-eval-windows "$EVAL_WINDOWS" --algorithms "$ALGORITHMS" \

@@ -161,3 +161,18 @@ def test_report_prints_a_panel_without_the_synchronous_run(capsys):
     report(result)
     out = capsys.readouterr().out
     assert "none (no gradient_allreduce run)" in out and "diloco" in out, out
+
+
+def test_splice_with_another_marker_leaves_the_first_section(tmp_path):
+    readme = tmp_path / "README.md"
+    b2, e2 = G.markers("tta-gpt-2x1")
+    readme.write_text(f"{G.BEGIN}\nfirst\n{G.END}\n{b2}\nold\n{e2}\n")
+    G.splice(str(readme), "second\n", "tta-gpt-2x1")
+    assert readme.read_text() == f"{G.BEGIN}\nfirst\n{G.END}\n{b2}\nsecond\n{e2}\n"
+    (tmp_path / "other.md").write_text(f"{G.BEGIN}\nx\n{G.END}\n")
+    try:
+        G.splice(str(tmp_path / "other.md"), "y", "tta-gpt-2x1")
+    except SystemExit as e:
+        assert "tta-gpt-2x1:begin" in str(e)
+    else:
+        raise AssertionError("a missing marker pair must stop the splice")
