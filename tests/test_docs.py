@@ -1,18 +1,26 @@
-"""The documentation site (``docs/``): it builds with warnings as errors and nitpicky
-references, and every Python code block of its pages runs.
+"""The documentation site (``docs/``) and the README: the site builds with warnings as
+errors and nitpicky references, and every code block of its pages and of ``README.md`` is
+run or says why it is not.
 
-Code blocks are MyST fences (```` ```python ````) in ``docs/**/*.md``. The first line of a
+Code blocks are fences (```` ```python ````, ```` ```bash ````, ...) in ``docs/**/*.md``,
+``README.md`` and ``CHANGELOG.md`` (the site's changelog page includes it); MyST directives
+(```` ```{toctree} ````, ```` ```{commlib-algorithm} ````) are not code. The first line of a
 block says how it runs:
 
-* no marker: ``python snippet.py`` in a fresh directory;
+* ``python`` with no marker: ``python snippet.py`` in a fresh directory;
 * ``# run: mpiexec -n 2`` (optionally ``VAR=value ...`` before ``mpiexec``, and
   ``-disable-auto-cleanup`` for fault-tolerant mode): under this environment's mpiexec with
   the implementation's options (``tests/helpers.py``);
-* ``# not run: REASON``: not runnable here (a GPU, Slurm, a cluster); counted and reported
-  as a skip with the reason.
+* ``# run: bash`` (shell blocks): ``bash -e`` in a fresh directory, this environment's
+  ``bin`` first on ``PATH`` and ``mpiexec`` given the implementation's options;
+* ``# not run: REASON``: not runnable here (a GPU, Slurm, several hosts, a fresh venv);
+  counted and reported as a skip with the reason. Where a first-line comment cannot be
+  written (a ``diff``, a script's ``#!`` line, a block CI extracts byte for byte), an HTML
+  comment ``<!-- not run: REASON -->`` on the lines just above the fence says the same.
 
-A block that fails, or outlives its timeout, fails the test. The negative controls feed a
-broken snippet to the same runner.
+A block in another language without a marker fails ``test_every_block_is_run_or_marked``: a
+code block is either executed or says why not. A block that fails, or outlives its timeout,
+fails the test. The negative controls feed a broken snippet to the same runner.
 """
 from __future__ import annotations
 
@@ -29,23 +37,30 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, mpiexec_cmd, serial_only
+from helpers import clean_env, mpi_impl, mpiexec, mpiexec_cmd, serial_only
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+README_MAX_LINES = 200
 BUILD_TIMEOUT_S = 300
 SNIPPET_TIMEOUT_S = 120
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
 _RUN = re.compile(r"^#\s*run:\s*(?P<how>.+)$")
 _NOT_RUN = re.compile(r"^#\s*not run:\s*(?P<why>.+)$")
+_HTML_NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<why>.+?)\s*-->\s*$")
+_HTML_COMMENT = re.compile(r"^\s*<!--.*-->\s*$")
+PYTHON = ("python", "py", "python3")
+SHELL = ("bash", "sh", "shell", "console")
 
 
 @dataclass
 class Snippet:
-    page: str          # path relative to docs/
+    page: str          # path relative to the repository root
     line: int          # line of the opening fence (1-based)
     code: str
+    lang: str = "python"
     launch: str | None = None     # the text after "# run:", None: one process
     not_run: str | None = None    # the reason, when not runnable here
 
@@ -53,9 +68,29 @@ class Snippet:
     def id(self) -> str:
         return f"{self.page}:{self.line}"
 
+    @property
+    def runs(self) -> bool:
+        """Executed by :func:`test_snippet_runs`."""
+        if self.not_run is not None:
+            return False
+        return self.lang in PYTHON or (self.lang in SHELL and self.launch == "bash")
+
+
+def _html_reason(lines: list[str], fence: int) -> str | None:
+    """The reason of an ``<!-- not run: ... -->`` among the comment lines just above a
+    fence (blank lines between them allowed)."""
+    i = fence - 1
+    while i >= 0 and (not lines[i].strip() or _HTML_COMMENT.match(lines[i])):
+        m = _HTML_NOT_RUN.match(lines[i])
+        if m:
+            return m["why"].strip()
+        i -= 1
+    return None
+
 
 def parse_snippets(text: str, page: str) -> list[Snippet]:
-    """The ``python`` fenced blocks of a MyST page."""
+    """The fenced code blocks of a Markdown (MyST) page, in every language; directives
+    (an info string in braces other than ``{code-block}``/``{code}``) are left out."""
     out: list[Snippet] = []
     lines = text.splitlines()
     i = 0
@@ -76,33 +111,53 @@ def parse_snippets(text: str, page: str) -> list[Snippet]:
                         lines[i].lstrip())
             i += 1
         i += 1
-        lang = info.split()[0] if info else ""
-        if lang.strip("{}") in ("code-block", "code") and len(info.split()) > 1:
-            lang = info.split()[1]
-        if lang not in ("python", "py", "python3"):
-            continue
-        snip = Snippet(page, start + 1, "\n".join(body) + "\n")
+        words = info.split()
+        lang = words[0] if words else ""
+        if lang.startswith("{"):
+            if lang.strip("{}") not in ("code-block", "code", "sourcecode"):
+                continue                      # a directive, not code
+            lang = words[1] if len(words) > 1 else ""
+        snip = Snippet(page, start + 1, "\n".join(body) + "\n", lang=lang)
         first = body[0].strip() if body else ""
         if (mr := _RUN.match(first)):
             snip.launch = mr["how"].strip()
         elif (mn := _NOT_RUN.match(first)):
             snip.not_run = mn["why"].strip()
+        elif (why := _html_reason(lines, start)) is not None:
+            snip.not_run = why
         out.append(snip)
     return out
 
 
+def pages() -> list[Path]:
+    """Every Markdown file whose code blocks are checked: the site's pages, the README and
+    the changelog the site includes."""
+    site = [p for p in sorted(DOCS.rglob("*.md")) if "_build" not in p.parts]
+    return site + [README, ROOT / "CHANGELOG.md"]
+
+
 def all_snippets() -> list[Snippet]:
     out: list[Snippet] = []
-    for path in sorted(DOCS.rglob("*.md")):
-        if "_build" in path.parts:
-            continue
-        out += parse_snippets(path.read_text(), str(path.relative_to(DOCS)))
+    for path in pages():
+        if path.exists():
+            out += parse_snippets(path.read_text(), str(path.relative_to(ROOT)))
     return out
 
 
-def launch_command(launch: str | None, script: str) -> tuple[list[str], dict[str, str]]:
-    """The command and extra environment of a snippet: ``None`` is one process; else
-    ``[VAR=value ...] mpiexec [-disable-auto-cleanup] -n N``."""
+def unmarked(snippets: list[Snippet]) -> list[Snippet]:
+    """Blocks that are neither run nor marked not runnable (a shell, toml, diff... block
+    without a marker, or a ``# run:`` its language cannot take)."""
+    return [s for s in snippets if s.not_run is None and not s.runs]
+
+
+def launch_command(launch: str | None, script: str,
+                   lang: str = "python") -> tuple[list[str], dict[str, str]]:
+    """The command and extra environment of a snippet: ``None`` is one process;
+    ``bash`` a shell block; else ``[VAR=value ...] mpiexec [-disable-auto-cleanup] -n N``."""
+    if lang in SHELL:
+        if launch != "bash":
+            raise ValueError(f"'# run: {launch}': a shell block runs as '# run: bash'")
+        return ["bash", "-e", script], {}
     if launch is None:
         return [sys.executable, script], {}
     words = shlex.split(launch)
@@ -128,15 +183,26 @@ def launch_command(launch: str | None, script: str) -> tuple[list[str], dict[str
     return mpiexec_cmd(n, fault_tolerant=fault_tolerant) + [sys.executable, script], env
 
 
-def run_snippet(code: str, launch: str | None = None,
-                timeout: float = SNIPPET_TIMEOUT_S) -> tuple[int, float, str]:
+def _shell_prelude() -> str:
+    """Run before a shell block: this environment's ``bin`` first on ``PATH`` (``python``,
+    ``commlib-info``, ``mpiexec``), and ``mpiexec`` with the implementation's options."""
+    extra = [a for a in mpi_impl().launch_args(2)[:-2]]     # launch_args ends with -n 2
+    bindir = os.path.dirname(sys.executable)
+    return (f"export PATH={shlex.quote(bindir)}:\"$PATH\"\n"
+            f"mpiexec() {{ command {shlex.quote(mpiexec())} "
+            f"{' '.join(shlex.quote(a) for a in extra)} \"$@\"; }}\n")
+
+
+def run_snippet(code: str, launch: str | None = None, timeout: float = SNIPPET_TIMEOUT_S,
+                lang: str = "python") -> tuple[int, float, str]:
     """Run one snippet in a fresh directory: (exit status, seconds, output); -9 when it
     outlived ``timeout`` (its process group is killed)."""
     with tempfile.TemporaryDirectory(prefix="commlib-doc-") as tmp:
-        script = os.path.join(tmp, "snippet.py")
+        shell = lang in SHELL
+        script = os.path.join(tmp, "snippet.sh" if shell else "snippet.py")
         with open(script, "w") as fh:
-            fh.write(code)
-        cmd, extra = launch_command(launch, script)
+            fh.write((_shell_prelude() + code) if shell else code)
+        cmd, extra = launch_command(launch, script, lang)
         env = clean_env(OMP_NUM_THREADS="1", COMMLIB_TIMEOUT="60", **extra)
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE,
@@ -154,18 +220,69 @@ def run_snippet(code: str, launch: str | None = None,
 SNIPPETS = all_snippets()
 
 
+def _tally(snippets: list[Snippet]) -> str:
+    run = [s for s in snippets if s.runs]
+    marked = [s for s in snippets if s.not_run is not None]
+    mpi = sum(s.launch is not None and s.launch != "bash" for s in run)
+    return (f"{len(snippets)} code blocks, {len(run)} run ({mpi} under mpiexec, "
+            f"{sum(s.launch == 'bash' for s in run)} shell), {len(marked)} marked not "
+            f"runnable")
+
+
 def test_snippets_are_found_and_marked():
-    """Every Python block is runnable or says why not; the count is reported."""
+    """Every Python block is runnable or says why not; the count, for the site and the
+    README apart, is reported."""
     assert len(SNIPPETS) >= 15, [s.id for s in SNIPPETS]
     for s in SNIPPETS:
         if s.launch is not None:
-            launch_command(s.launch, "x.py")   # raises on a malformed marker
+            launch_command(s.launch, "x.py", s.lang)   # raises on a malformed marker
         assert s.not_run is None or len(s.not_run) > 5, s.id
-    run = [s for s in SNIPPETS if s.not_run is None]
+    readme = [s for s in SNIPPETS if s.page == "README.md"]
+    site = [s for s in SNIPPETS if s.page != "README.md"]
+    assert any(s.runs for s in readme), "the README's example is not run"
     marked = [s for s in SNIPPETS if s.not_run is not None]
-    print(f"\ndocs snippets: {len(SNIPPETS)} python blocks, {len(run)} run "
-          f"({sum(s.launch is not None for s in run)} under mpiexec), {len(marked)} marked "
-          f"not runnable: " + "; ".join(f"{s.id} ({s.not_run})" for s in marked))
+    print(f"\nREADME: {_tally(readme)}\nsite: {_tally(site)}\nnot runnable: "
+          + "; ".join(f"{s.id} ({s.not_run})" for s in marked))
+
+
+def test_every_block_is_run_or_marked():
+    """No code block is left unexecuted without saying why."""
+    assert not unmarked(SNIPPETS), [f"{s.id} ({s.lang or 'no language'})"
+                                    for s in unmarked(SNIPPETS)]
+
+
+def test_unmarked_block_is_caught():
+    """Negative control of the check above: a bare shell block, a ``# run:`` on toml, and
+    an HTML comment that is not a marker are reported; the markers are not."""
+    text = ("```bash\nsrun python train.py\n```\n\n```toml\n# run: mpiexec -n 2\nx = 1\n```\n"
+            "\n<!-- just a comment -->\n```diff\n-a\n+b\n```\n\n"
+            "<!-- not run: needs Slurm -->\n```bash\nsrun python train.py\n```\n\n"
+            "```bash\n# not run: several hosts\nmpiexec -hosts a,b python t.py\n```\n\n"
+            "```bash\n# run: bash\necho ok\n```\n")
+    got = parse_snippets(text, "t.md")
+    assert [s.line for s in unmarked(got)] == [1, 5, 11]
+    assert [s.not_run for s in got[3:5]] == ["needs Slurm", "several hosts"]
+    assert got[5].runs
+
+
+def test_readme_fits_two_screens():
+    """The README stays short (under 200 lines) and still opens with the two commands CI
+    extracts (``<!-- ci:main -->``, ``<!-- ci:test -->``), each followed by a bash block."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md has {len(lines)} lines"
+    for marker in ("<!-- ci:main -->", "<!-- ci:test -->"):
+        i = lines.index(marker)
+        assert lines[i + 1] == "```bash" and lines[i + 3] == "```", marker
+    print(f"\nREADME.md: {len(lines)} lines")
+
+
+def test_readme_links_resolve():
+    """Every relative link of the README names a file of the repository."""
+    text = README.read_text()
+    links = re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text)
+    assert links
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert not missing, missing
 
 
 @serial_only
@@ -173,7 +290,9 @@ def test_snippets_are_found_and_marked():
 def test_snippet_runs(snippet: Snippet):
     if snippet.not_run is not None:
         pytest.skip(f"not run: {snippet.not_run}")
-    status, took, out = run_snippet(snippet.code, snippet.launch)
+    if not snippet.runs:
+        pytest.fail(f"{snippet.id}: a {snippet.lang!r} block with no marker")
+    status, took, out = run_snippet(snippet.code, snippet.launch, lang=snippet.lang)
     assert status == 0, (f"{snippet.id} ({snippet.launch or 'one process'}) exited with "
                          f"{status} after {took:.1f} s:\n{out[-4000:]}")
 
@@ -181,7 +300,7 @@ def test_snippet_runs(snippet: Snippet):
 @serial_only
 def test_negative_control_broken_snippets_fail():
     """The runner fails what is broken: an exception in one process, one rank of two
-    raising, and a snippet that hangs past its timeout."""
+    raising, a failing shell line, and a snippet that hangs past its timeout."""
     status, _, out = run_snippet("import commlib\nraise SystemExit(commlib.nope)\n")
     assert status != 0 and "nope" in out, out
     status, _, out = run_snippet(
@@ -190,6 +309,9 @@ def test_negative_control_broken_snippets_fail():
         "if commlib.get_rank() == 1:\n    raise RuntimeError('rank 1 broke')\n"
         "commlib.barrier()\n", "mpiexec -n 2")
     assert status != 0 and "rank 1 broke" in out, out
+    status, _, out = run_snippet("# run: bash\nfalse\necho not reached\n", "bash",
+                                 lang="bash")
+    assert status != 0 and "not reached" not in out, out
     status, _, _ = run_snippet("import time\ntime.sleep(60)\n", timeout=3)
     assert status == -9
 
@@ -197,16 +319,21 @@ def test_negative_control_broken_snippets_fail():
 def test_snippet_parser_markers():
     text = ("# T\n\n```python\n# run: COMMLIB_FAULT_TOLERANT=1 mpiexec -disable-auto-cleanup "
             "-n 2\nx = 1\n```\n\n- item\n\n  ```python\n  # not run: needs Slurm\n  y = 2\n"
-            "  ```\n\n```bash\necho no\n```\n\n````python\nz = '```'\n````\n")
+            "  ```\n\n```bash\necho no\n```\n\n````python\nz = '```'\n````\n\n"
+            "```{toctree}\nintro\n```\n\n```{code-block} python\nw = 3\n```\n")
     got = parse_snippets(text, "t.md")
-    assert [(s.line, s.launch, s.not_run) for s in got] == [
-        (3, "COMMLIB_FAULT_TOLERANT=1 mpiexec -disable-auto-cleanup -n 2", None),
-        (10, None, "needs Slurm"), (19, None, None)]
+    assert [(s.line, s.lang, s.launch, s.not_run) for s in got] == [
+        (3, "python", "COMMLIB_FAULT_TOLERANT=1 mpiexec -disable-auto-cleanup -n 2", None),
+        (10, "python", None, "needs Slurm"), (15, "bash", None, None),
+        (19, "python", None, None), (27, "python", None, None)]
     assert got[1].code == "# not run: needs Slurm\ny = 2\n"
     cmd, env = launch_command(got[0].launch, "s.py")
     assert env == {"COMMLIB_FAULT_TOLERANT": "1"} and cmd[-2:] == [sys.executable, "s.py"]
     with pytest.raises(ValueError):
         launch_command("srun -n 2", "s.py")
+    with pytest.raises(ValueError):
+        launch_command("mpiexec -n 2", "s.sh", "bash")
+    assert launch_command("bash", "s.sh", "bash")[0] == ["bash", "-e", "s.sh"]
 
 
 def _have_sphinx() -> str | None:
