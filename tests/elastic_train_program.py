@@ -86,8 +86,9 @@ args = parser.parse_args()
 reference = [int(c) for c in args.reference.split(",") if c]
 scenarios = json.loads(args.scenarios) if args.scenarios else []
 FT = not (reference or scenarios or args.no_ft)
-# as the README says to launch: fault-tolerant mode from the environment, known before MPI
-# starts (commlib then starts UCX without rendezvous inside a machine, commlib.ucx_env)
+# as docs/guide/fault-tolerance.md says to launch: fault-tolerant mode from the environment,
+# known before MPI starts (commlib then starts UCX without rendezvous inside a machine,
+# commlib.ucx_env)
 os.environ["COMMLIB_FAULT_TOLERANT"] = "1" if FT else "0"
 
 import commlib  # noqa: E402

@@ -8,7 +8,7 @@ slurmd, all in a temporary directory) runs commlib jobs through ``srun`` and ``s
   reference with identical replicas (negative control: unsynchronized replicas differ);
   then ``commlib.examples.train_digits`` runs as ``python -m`` runs it: it trains (the
   loss falls, the test accuracy is well above chance) with identical replicas.
-* an ``sbatch --wait`` batch script of 4 tasks (the README's recipe) whose steps are
+* an ``sbatch --wait`` batch script of 4 tasks (the recipe of docs/guide/launching.md) whose steps are
   ``srun --mpi=pmi2 python -m commlib.examples.train_digits`` (Slurm's own PMI server,
   which MPICH's PMI-1 client uses; the same training), a step under ``WORLD_SIZE``,
   ``MASTER_ADDR`` and ``MASTER_PORT`` exported by the script (a common recipe: each task

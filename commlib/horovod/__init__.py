@@ -5,8 +5,8 @@ train.py`` (or ``commlib-horovodrun -np N python train.py``). Named collectives 
 negotiated by name as Horovod's coordinator does (:mod:`commlib.horovod.controller`),
 ``DistributedOptimizer`` exchanges gradients in commlib's buckets during backward
 (:mod:`commlib.horovod.optimizer`), with commlib's algorithms one argument away
-(``algorithm="bytegrad"``). What differs from Horovod is listed in the README's "Coming
-from Horovod" section.
+(``algorithm="bytegrad"``). What differs from Horovod is listed in the user guide's "Coming
+from Horovod" page (``docs/guide/horovod.md``).
 """
 from . import elastic
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
