@@ -42,7 +42,9 @@ without failure), one after the other from the initial model, each written to
 writes ``rank{r}.json`` like the others, one released at the end ``spare{r}.json``: its
 step, the pool it knew, the CPU and wall seconds it spent in ``run``);
 ``--skip-spare-state``: a joining spare keeps its own model (the negative control of
-tests/test_elastic_spares.py).
+tests/test_elastic_spares.py). ``--join-victim R --join-death P``: spare ``R`` SIGKILLs
+itself at point ``P`` of its joining (``called``, ``assembled``, ``receiving``,
+``received``: ``commlib.elastic.spares._JOIN_HOOK``).
 
 Every rank writes ``OUTDIR/shm{r}.json`` (its MPICH segments); every rank that finishes
 writes ``OUTDIR/rank{r}.json``: final step, the state's ledger (the group size that applied
@@ -82,6 +84,11 @@ parser.add_argument("--spares", type=int, default=0,
                     help="run(spares=K): the last K ranks stand by")
 parser.add_argument("--skip-spare-state", action="store_true",
                     help="a joining spare keeps its own model (negative control)")
+parser.add_argument("--join-victim", type=int, default=-1,
+                    help="this spare SIGKILLs itself at --join-death while it joins")
+parser.add_argument("--join-death", default="",
+                    help="the point of the joining (commlib.elastic.spares._JOIN_HOOK): "
+                         "called, assembled, receiving, received")
 args = parser.parse_args()
 reference = [int(c) for c in args.reference.split(",") if c]
 scenarios = json.loads(args.scenarios) if args.scenarios else []
@@ -104,11 +111,13 @@ torch.set_num_threads(1)
 commlib.init(fault_tolerant=FT)
 me = commlib.get_rank()
 n0 = commlib.get_world_size()
-write_shm(args.outdir, me)
+from commlib.primitives import ft as _ft  # noqa: E402
+# a replacement spawned by run(replace=True) has a rank of the grown world, which a living
+# rank may have too: its segments under a name of its own (its results: see name_spawned)
+write_shm(args.outdir, 1000 + os.getpid() if _ft.joined else me)
 victims = [int(v) for v in args.victims.split(",")]
 at = [int(k) for k in args.at.split(",")]
 plan = dict(zip(victims, at))
-from commlib.primitives import ft as _ft  # noqa: E402
 if _ft.joined:  # a replacement spawned by run(replace=True): it is no victim
     plan = {}
 state_module._SKIP_AGREEMENT = args.skip_agreement
@@ -289,6 +298,14 @@ def lag_average() -> None:
 
 if args.fault == "lagavg" and me == 1 and not reference and not scenarios:
     lag_average()
+if me == args.join_victim and args.join_death and not _ft.joined:
+    from commlib.elastic import spares as _spares_module
+
+    def _join_hook(point: str) -> None:
+        if point == args.join_death:
+            die("kill")
+
+    _spares_module._JOIN_HOOK = _join_hook
 
 
 def train(st: elastic.State) -> None:
@@ -335,6 +352,21 @@ def train_reference(tr: Training, gone: list[int], at: list[int]) -> bool:
     return True
 
 
+def name_spawned() -> None:
+    """Collective over the final group (``--replace``): each replacement spawned by
+    ``run`` takes, in group order, the smallest rank number no original member has (the
+    rank of the grown world may be a living rank's: victims 0 and 1 of 4 leave ranks 2 and
+    3, which are ranks 0 and 1 of the grown world, and the replacement 2); what names its
+    ``rank{r}.json`` (the dead rank's number when the last rank was replaced)."""
+    global me
+    names = commlib.allgather(torch.tensor([-1 if _ft.joined else me]), group=state.group)
+    names = [int(x) for x in names.reshape(-1)]
+    free = (r for r in range(len(names) + 64) if r not in names)
+    mine = {i: next(free) for i, x in enumerate(names) if x < 0}
+    if _ft.joined:
+        me = mine[state.group.rank]
+
+
 def parse(spec: str) -> list[int]:
     return [int(c) for c in spec.split(",") if c]
 
@@ -369,6 +401,8 @@ else:
         sys.exit(0)
 if not reference:
     run.ring_consistent()
+    if FT and args.replace:
+        name_spawned()
 run.write(args.outdir)
 if reference:
     commlib.barrier()

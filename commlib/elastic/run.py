@@ -90,6 +90,9 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
             return result
         except PeerFailure as exc:
             failure = exc
+            # a spare merged into the group (its joining interrupted by a death: it takes
+            # part in the recovery, then trains) no longer stands by
+            standing_by = standing_by and not state.group.is_member
 
 
 def recover(state: State, failure: PeerFailure, min_ranks: int = 1, replace: bool = False,

@@ -30,6 +30,7 @@ Protocol (all on commlib's fault-tolerant primitives):
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -37,6 +38,7 @@ from ..errors import CommError
 from ..options import options
 from ..primitives import ft, standby, world
 from ..primitives.group import assemble, new_group
+from . import transfer
 from .state import State
 
 #: Test hook: the joining spare keeps its own model instead of the one it received. Wrong
@@ -44,6 +46,18 @@ from .state import State
 _SKIP_STATE = False
 #: Seconds the trainers give their release messages to get out.
 RELEASE_S = 10.0
+#: Test hook: called on a joining spare with the name of each point of its joining it
+#: reaches: ``"called"`` (the call received, before the merged group is built),
+#: ``"assembled"`` (the merged group built, before the state is sent),
+#: ``"receiving"`` (the first tensor of the state received, the others not yet),
+#: ``"received"`` (the state applied, before training); on a survivor: ``"sending"`` (the
+#: merged group built, before it sends the state). The tests make a rank die there.
+_JOIN_HOOK: Callable[[str], None] | None = None
+
+
+def _reached(point: str) -> None:
+    if _JOIN_HOOK is not None:
+        _JOIN_HOOK(point)
 
 
 def split(state: State, spares: int) -> bool:
@@ -66,7 +80,9 @@ def split(state: State, spares: int) -> bool:
     d["group"] = new_group(trainers, parent=w)
     d["target_size"] = len(trainers)
     d["spares"] = pool
-    return w.ranks[me] in trainers
+    trains = w.ranks[me] in trainers
+    d["_empty"] = not trains  # (a spare holds no state until it joined)
+    return trains
 
 
 def stand_by(state: State) -> bool:
@@ -87,7 +103,9 @@ def stand_by(state: State) -> bool:
     seen = time.monotonic()
     if message[0] == "release":
         return False
-    _, universe, pick, rest = message
+    _, universe, pick, rest, policy = message
+    state.__dict__["policy"] = policy  # the trainers' (recovering, the same as theirs)
+    _reached("called")
     if me not in pick:  # (never sent: a call goes to the ranks it picks)
         raise CommError(f"commlib.elastic.run (rank {me}): called as {pick} into {universe}")
     _merge(state, universe, pick, rest, seen)
@@ -103,7 +121,7 @@ def top_up(state: State, since: float) -> None:
         missing = state.target_size - state.group.size
         pick, rest = list(state.spares[:missing]), list(state.spares[missing:])
         universe = tuple(state.group.ranks) + tuple(pick)
-        requests = standby.call(pick, ("join", universe, pick, rest))
+        requests = standby.call(pick, ("join", universe, pick, rest, state.policy))
         _merge(state, universe, pick, rest, since)
         standby.settle(requests, RELEASE_S)
 
@@ -115,7 +133,7 @@ def _merge(state: State, universe: tuple[int, ...], pick: list[int], rest: list[
     survivor."""
     w = world()
     joining = w.ranks[w.rank] in pick
-    group = assemble(universe, value=(-1, False) if joining else state._value())
+    group = assemble(universe, value=state._value())
     d = state.__dict__
     d["spares"] = list(rest)
     d["group"] = group
@@ -131,7 +149,16 @@ def _merge(state: State, universe: tuple[int, ...], pick: list[int], rest: list[
     # the survivors do not receive what they hold
     olds = [i for i, r in enumerate(group.ranks) if r not in pick]
     news = [i for i, r in enumerate(group.ranks) if r in pick]
-    state._transfer(group, {j: olds[k % len(olds)] for k, j in enumerate(news)})
+    _reached("assembled" if joining else "sending")
+    if joining:
+        transfer._RECV_HOOK = (lambda i: _reached("receiving") if i == 0 else None) \
+            if _JOIN_HOOK is not None else None
+    try:
+        state._transfer(group, {j: olds[k % len(olds)] for k, j in enumerate(news)})
+    finally:
+        transfer._RECV_HOOK = None
+    if joining:
+        _reached("received")
     if own is not None:
         with torch.no_grad():
             state.model.load_state_dict(own)

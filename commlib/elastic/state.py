@@ -132,6 +132,7 @@ class State:
         d["_steps_at_commit"] = 0
         d["_clean"] = True          # the live state is the one of the last commit
         d["recoveries"] = []        # what each recovery agreed (for logs and tests)
+        d["_empty"] = False         # a spare that has not received the state yet
         if sampler is not None and hasattr(sampler, "state"):
             sampler.state = self
         if optimizer is not None:
@@ -278,6 +279,8 @@ class State:
     def _value(self) -> tuple[int, bool]:
         """What this rank brings to the agreement: its last commit's step, and whether it
         can restore that commit (its live state is it, or it holds a copy)."""
+        if self._empty:  # a joining spare before its state arrived: nothing to restore
+            return (-1, False)
         last = self._commits[-1]
         clean = self._clean and self._optimizer_steps == self._steps_at_commit
         return (last.step, bool(clean or last.full))
@@ -294,12 +297,22 @@ class State:
         d["group"] = group
         decision = group.agreement
         mine = self._value()
+        # members without any state (spares whose joining the failure interrupted, value
+        # (-1, False)) take no part in choosing the commit; they receive it at the end
+        held = {r: v for r, v in decision.values.items() if v[0] >= 0}
+        empty = [i for i, r in enumerate(decision.members) if r not in held]
+        if not held:
+            raise CommError(f"commlib.elastic (rank {group.rank}): none of the survivors "
+                            f"{list(decision.members)} holds the state (only spares that "
+                            f"had not received it yet survived)")
         if _SKIP_AGREEMENT:
             self._restore_own(mine[0])
         elif self.policy == PER_RANK:
-            self._restore_own(decision.min[0])
+            if not self._empty:
+                self._restore_own(min(held.values())[0])
         else:
-            top = decision.max
+            top = max(held.values())
+            holder = next(r for r in decision.members if held.get(r) == top)
             if not top[1]:
                 raise CommError(f"commlib.elastic (rank {group.rank}): no survivor can "
                                 f"restore step {top[0]} (their state moved past their last "
@@ -310,8 +323,8 @@ class State:
                 # SYNCED: the models (and algorithm states) are equal at an average or
                 # outer step, the optimizers never are (weights only are averaged): each
                 # member keeps its own; one that missed the average has it live (it
-                # stepped up to it: checked)
-                own = self.policy == SYNCED
+                # stepped up to it: checked). A member without state takes it all.
+                own = self.policy == SYNCED and not self._empty
                 ahead = self._optimizer_steps - self._steps_at_commit
                 if own and mine != top and ahead != top[0] - mine[0]:
                     raise CommError(
@@ -319,8 +332,11 @@ class State:
                         f"average of step {top[0]}, which this rank missed, but its "
                         f"optimizer is not at that step ({ahead} steps after its commit "
                         f"of step {mine[0]})")
-                self._receive(group, decision.members.index(decision.holder),
-                              optimizer=not own)
+                self._receive(group, decision.members.index(holder), optimizer=not own)
+                empty = []  # (the broadcast reached them too)
+        if empty:  # per rank: each from one member that restored (all hold the commit)
+            olds = [i for i in range(group.size) if i not in empty]
+            self._transfer(group, {j: olds[k % len(olds)] for k, j in enumerate(empty)})
         d["recoveries"].append({"size": group.size, "members": list(group.ranks),
                                 "values": dict(decision.values), "step": self.step})
         if self.scale_lr and self.optimizer is not None and old_size != group.size:
@@ -411,6 +427,7 @@ class State:
         d["step"], d["values"] = saved["step"], saved["values"]
         d["target_size"] = saved["target_size"]
         d["_algorithm_state"] = saved["algorithm"]
+        d["_empty"] = False
         self._record(full=self.policy != REPLICATED or self.commit_every > 1)
 
     def drop_gradients(self) -> None:

@@ -13,6 +13,10 @@ import numpy as np
 import torch
 
 
+#: Test hook: called with each tensor's index once it arrived (:func:`recv`).
+_RECV_HOOK: Any = None
+
+
 class _Tensor:
     """A tensor's place in the skeleton: its index, dtype, shape."""
 
@@ -73,6 +77,8 @@ def recv(group: Any, src: int, tag: int) -> Any:
         if t.numel():
             group.recv(_bytes(t), src, tag=tag)
         tensors[p.index] = t
+        if _RECV_HOOK is not None:
+            _RECV_HOOK(p.index)
     return _join(skeleton, tensors)
 
 
