@@ -139,6 +139,25 @@ def test_bit_packing_round_trips():
     assert pack_bits(torch.tensor([1, 2, 3]), 2).tolist() == [0b111001]
 
 
+def test_top_positions_are_a_stable_sorts_first_k():
+    """The encoder's selection (topk, ties at the k-th value taken from the left) equals
+    the first k columns of a stable descending sort, ties and zero rows included."""
+    from commlib.algorithms.sparseloco import top_positions
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        rows, n = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 70, (1,), generator=g))
+        k = int(torch.randint(1, n + 1, (1,), generator=g))
+        if trial % 2:   # few levels: many ties, at and above the k-th value
+            mag = torch.randint(0, int(torch.randint(1, 6, (1,), generator=g)), (rows, n),
+                                generator=g).double()
+        else:
+            mag = torch.rand(rows, n, generator=g, dtype=torch.float64)
+        if trial % 3 == 0:
+            mag[0] = 0.0
+        want = torch.sort(mag, dim=1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(top_positions(mag, k), want), (trial, k)
+
+
 def test_ties_go_to_the_lower_index_and_two_bits_give_four_levels():
     """One chunk of 8, k=3: among equal magnitudes the lower index is sent; 2 bits decode
     to +-lo, +-hi (lo, hi: the smallest and largest sent magnitude); the residual keeps

@@ -187,6 +187,31 @@ def layout(numels: Sequence[int], chunk_size: int, density: float,
     return Layout(tuple(segments), chunk0, value0, index_bits(chunk_size), value_bits)
 
 
+def top_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row of ``mag`` (rows, n; no NaN), the positions of its ``k`` largest values in
+    decreasing order, a tie going to the lower position: the first ``k`` columns of a
+    stable descending sort, without sorting the rows. ``torch.topk`` picks each row's
+    ``k``; where it left out a value equal to the k-th (so that its choice among ties
+    mattered), that row's ties at the k-th value are taken from the left instead; then
+    only the ``k`` chosen are sorted: (rows, k) int64."""
+    if k >= mag.shape[1]:
+        return torch.sort(mag, dim=1, descending=True, stable=True).indices
+    values, pos = torch.topk(mag, k, dim=1, sorted=False)
+    kth = values.min(dim=1, keepdim=True).values
+    at = mag == kth
+    ambiguous = at.view(torch.uint8).sum(dim=1, dtype=torch.int32) > \
+        (values == kth).view(torch.uint8).sum(dim=1, dtype=torch.int32)
+    pos = pos.sort(dim=1).values                        # increasing in each row
+    if bool(ambiguous.any()):
+        rows = ambiguous.nonzero()[:, 0]
+        m, a = mag[rows], at[rows]
+        room = k - (m > kth[rows]).sum(dim=1, keepdim=True)
+        chosen = (m > kth[rows]) | (a & (a.cumsum(dim=1) <= room))   # exactly k per row
+        pos[rows] = chosen.nonzero()[:, 1].view(rows.numel(), k)
+    order = torch.sort(mag.gather(1, pos), dim=1, descending=True, stable=True).indices
+    return pos.gather(1, order)
+
+
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative integers ``codes`` (< 2**width) as a little-endian bit stream: a new
     uint8 tensor of ``ceil(numel * width / 8)`` bytes on ``codes``' device."""
@@ -309,8 +334,7 @@ class SparseLoCo(DiLoCo):
         else:
             for s in lay.segments:
                 x = e[s.start:s.start + s.rows * s.length].view(s.rows, s.length)
-                order = torch.sort(x.abs(), dim=1, descending=True, stable=True).indices
-                pos = order[:, :s.k]
+                pos = top_positions(x.abs(), s.k)
                 v = x.gather(1, pos)
                 mag = v.abs()
                 sc = torch.stack([mag[:, s.k - 1], mag[:, 0]], dim=1).to(torch.float32)
@@ -399,5 +423,5 @@ class SparseLoCo(DiLoCo):
             state.copy_into(e, value)
 
 
-__all__ = ["SparseLoCo", "Layout", "Segment", "layout", "pack_bits", "unpack_bits",
+__all__ = ["SparseLoCo", "Layout", "Segment", "layout", "pack_bits", "unpack_bits", "top_positions",
            "values_per_chunk", "index_bits"]
