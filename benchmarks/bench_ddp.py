@@ -62,7 +62,7 @@ def training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.T
 def sequential_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                     y: torch.Tensor) -> Callable[[], None]:
     """Backward first, then one allreduce of all gradients: what DDP costs without overlap."""
-    from commlib.reduce_ops import ReduceOp
+    from commlib.base.reduce_ops import ReduceOp
 
     def step() -> None:
         opt.zero_grad()

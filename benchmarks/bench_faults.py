@@ -4,7 +4,7 @@ fault-tolerant mode on steps without failures.
     python benchmarks/bench_faults.py --json results/faults.json
 
 Runs on the MPI library of the Python that runs it (MPICH, Open MPI with ULFM, Intel MPI:
-``tests/elastic_common.py`` launches as :mod:`commlib.mpi_impl` says; the report names it).
+``tests/elastic_common.py`` launches as :mod:`commlib.mpi.mpi_impl` says; the report names it).
 
 **Recovery.** ``tests/elastic_train_program.py`` jobs, each rank a failure domain of its own
 and the launcher keeping the others running (MPICH: one hydra proxy per rank,
@@ -176,7 +176,7 @@ def overhead_worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, HERE)
     import commlib
-    from commlib.options import options
+    from commlib.base.options import options
     from models import WideMLP
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -131,7 +131,7 @@ def _allreduce_bytes(nbytes: int, hierarchical: bool) -> dict[str, float]:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import commlib
-    from commlib.mpi_env import _node
+    from commlib.mpi.mpi_env import _node
     from mpi4py import MPI
     commlib.init()
     torch.set_num_threads(1)

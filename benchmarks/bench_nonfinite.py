@@ -61,7 +61,7 @@ def collectives(sync: Any, sizes: list[int], reps: int, block_s: float) -> list[
 
     from commlib.primitives import CompressionState, allreduce, compressed_allreduce
     from commlib.primitives.finite import all_finite
-    from commlib.reduce_ops import ReduceOp
+    from commlib.base.reduce_ops import ReduceOp
     rows = []
     rank = sync.Get_rank()
     for n in sizes:
@@ -96,7 +96,7 @@ def qadam_step(sync: Any, args: argparse.Namespace) -> dict:
     import commlib
     from commlib.algorithms.qadam import QAdam, QAdamOptimizer
     from commlib.primitives import compressed_allreduce
-    from commlib.reduce_ops import ReduceOp
+    from commlib.base.reduce_ops import ReduceOp
     from models import WideMLP
 
     class PlainQAdam(QAdam):

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import torch.distributed as dist
         if "WORLD_SIZE" not in os.environ:  # a singleton run
-            from commlib.mpi_env import free_port
+            from commlib.mpi.mpi_env import free_port
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(free_port()))
         dist.init_process_group("commlib")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
-import commlib.mpi_impl  # noqa: E402
+import commlib.mpi.mpi_impl  # noqa: E402
 import _common as C  # noqa: E402
 import gpt  # noqa: E402
 
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(
             {"benchmark": "bench_partition", "size": args.size, "layers": args.layers,
              "context": args.context, "batch": args.batch, "ranks": n,
-             "mpi": commlib.mpi_impl.library_version().splitlines()[0],
+             "mpi": commlib.mpi.mpi_impl.library_version().splitlines()[0],
              "note": "ranks share this machine's 2 cores: compare ratios within one run",
              "steps": rows}, indent=1))
     return 0

@@ -6,7 +6,7 @@ every runtime measured by the same commands.
         [--sizes 8 64K 4M 64M] [--json PATH]
 
 For each venv (each holds one MPI runtime beside mpi4py; see tests/run_all.sh), launched
-with the options ``commlib.mpi_impl`` gives for that runtime:
+with the options ``commlib.mpi.mpi_impl`` gives for that runtime:
 
 * ``benchmarks/bench_collectives.py --ops allreduce --sizes ...``: commlib and raw mpi4py
   alternating in one job (median of blocks, the slowest rank; float32; nccl-tests' busbw);
@@ -37,7 +37,7 @@ import _common as C  # noqa: E402
 
 
 def tool(venv: Path, *args: str) -> list[str]:
-    out = subprocess.run([str(venv / "bin" / "python"), "-m", "commlib.mpi_impl", *args],
+    out = subprocess.run([str(venv / "bin" / "python"), "-m", "commlib.mpi.mpi_impl", *args],
                          capture_output=True, text=True, check=True, cwd=ROOT)
     return [line for line in out.stdout.splitlines() if line]
 

@@ -265,7 +265,7 @@ def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
     import numpy as np
     import torch
     import commlib
-    from commlib import accounting
+    from commlib.base import accounting
 
     n = commlib.get_world_size()
     algorithm, kwargs, opt_kind = contender(name, args.model, args.set)

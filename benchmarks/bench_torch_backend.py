@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
     if "WORLD_SIZE" not in os.environ:  # a singleton run: no launcher set the variables
-        from commlib.mpi_env import free_port
+        from commlib.mpi.mpi_env import free_port
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     dist.init_process_group("commlib")

@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import commlib
     import gpt
-    from commlib.mpi_env import _node
+    from commlib.mpi.mpi_env import _node
     from mpi4py import MPI
     # --wait auto: the library's rule (the emulated nodes are one machine: it polls when
     # the job's ranks outnumber its cores); spin/poll force the job-wide option, which
@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
                 r["tx"].append(float(total[0]) / n)
                 r["bus"].append(sum(v["bus_bytes"] - before.get(op, {}).get("bus_bytes", 0)
                                     for op, v in after.items()))
-    from commlib import communicator
+    from commlib.core import communicator
     out: dict[str, Any] = {"local_size": local_size, "psi": psi, "configs": {},
                            "wait_poll_s": communicator.WAIT_POLL_S}
     for r in runs:

@@ -208,7 +208,7 @@ def environment(check: Check) -> None:
         "gpu": ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                 "--format=csv,noheader"],
         "python": [PY, "-c", PROBE],   # one interpreter: versions, torch's CUDA, MPI
-        "commlib_info": [PY, "-m", "commlib.info"],
+        "commlib_info": [PY, "-m", "commlib.tools.info"],
     }
     failed = []
     for key, cmd in probes.items():

@@ -774,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             print("delay line so far:", cluster.delay_line_stats())
         if args.ranks_per_node > 1:
             print("inside node 0:", cluster.measure_bandwidth(0, 0, nbytes=args.nbytes))
-        cluster.mpiexec([sys.executable, "-m", "commlib.info"], timeout=120)
+        cluster.mpiexec([sys.executable, "-m", "commlib.tools.info"], timeout=120)
     return 0
 
 

@@ -9,7 +9,7 @@ lookup, checking-mode test, byte counters, watchdog arm/disarm, result finishing
 the full calls of the other collectives. Each row is the best of ``--repeat`` loops of
 ``--number`` calls; rows take turns so that machine noise hits all of them alike. This is
 a diagnostic for commlib's developers: it calls commlib internals
-(``commlib.buffers.adapt``, ``commlib.accounting.record``...) by name.
+(``commlib.base.buffers.adapt``, ``commlib.base.accounting.record``...) by name.
 
 ``--evict 8M`` copies that many bytes before every call (only the call is timed), as a large MPI transfer does between two calls of a training loop: the same
 Python bookkeeping then runs with cold caches and costs several times more, which is why
@@ -54,10 +54,11 @@ def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
     """The full allreduce, its raw peer, and each step of commlib's allreduce path."""
     import commlib
     from mpi4py import MPI
-    from commlib import buffers, runtime
+    from commlib.base import buffers
+    from commlib.core import runtime
     from commlib.primitives import _base
-    from commlib.reduce_ops import ReduceOp, mpi_op
-    counters = importlib.import_module("commlib.accounting")
+    from commlib.base.reduce_ops import ReduceOp, mpi_op
+    counters = importlib.import_module("commlib.base.accounting")
     arr = np.zeros(count, np.float32)
     obj = arr
     if use_torch:
@@ -109,7 +110,7 @@ def _noop(obj: Any) -> Any:
 
 def traced(fn: Callable[[Any], Any], obj: Any) -> Any:
     """``fn(obj)`` with the timeline on (a real trace file, flushed as it fills)."""
-    accounting = sys.modules["commlib.accounting"]
+    accounting = sys.modules["commlib.base.accounting"]
     accounting.tracer = _TRACER
     try:
         return fn(obj)
@@ -119,7 +120,7 @@ def traced(fn: Callable[[Any], Any], obj: Any) -> Any:
 
 def torch_steps(t: Any) -> dict[str, Callable[[], Any]]:
     """What ``buffers.adapt`` does with a CPU torch tensor, step by step."""
-    from commlib import dtypes, host_views, options
+    from commlib.base import dtypes, host_views, options
     dt = dtypes.from_torch(t.dtype)
     return {
         "torch adapt: dtypes.from_torch(t.dtype)": lambda: dtypes.from_torch(t.dtype),
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     import commlib
-    from commlib import timeline
+    from commlib.services import timeline
     commlib.init()
     global _TRACER
     trace_dir = tempfile.mkdtemp(prefix="commlib-timeline-")
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     # loops without a spill. So: loops of exactly FLUSH_EVERY calls (one spill each when
     # on), off and on alternating, and the median of the per-pair differences (adjacent
     # loops share the machine's state, which makes the difference robust to load).
-    from commlib import accounting
+    from commlib.base import accounting
     buf = np.zeros(count, np.float32)
     if args.torch:
         import torch

@@ -15,7 +15,7 @@ harmless, since it runs in every process that imports torch in this environment
 * under an MPI launcher (``mpiexec``: ``PMI_SIZE``/``OMPI_COMM_WORLD_SIZE``/... > 1), lets
   ``env://`` rendezvous (the default of ``init_process_group``) import commlib first when
   one of its variables is missing, so that commlib sets ``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` from MPI (:mod:`commlib.mpi_env`)
+  ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` from MPI (:mod:`commlib.mpi.mpi_env`)
   instead of torch failing on the missing variables.
 
 It never raises (torch would refuse to import): a failure is a warning. ``import commlib``

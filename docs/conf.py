@@ -104,9 +104,9 @@ copybutton_prompt_is_regexp = True
 commlib_public_modules = [
     "commlib", "commlib.algorithms", "commlib.ddp", "commlib.sharded", "commlib.embedding",
     "commlib.pipeline", "commlib.parallel", "commlib.torch_backend", "commlib.horovod",
-    "commlib.elastic", "commlib.primitives", "commlib.nn", "commlib.hooks",
-    "commlib.timeline", "commlib.run", "commlib.topology", "commlib.mpi_impl",
-    "commlib.launch", "commlib.kernels",
+    "commlib.elastic", "commlib.primitives", "commlib.nn", "commlib.ddp.comm_hooks",
+    "commlib.services.timeline", "commlib.run", "commlib.services.topology",
+    "commlib.mpi.mpi_impl", "commlib.mpi.launch", "commlib.kernels",
     "commlib.integrations", "commlib.integrations.lightning",
     "commlib.integrations.accelerate",
 ]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import commlib
-from commlib import accounting
+from commlib.base import accounting
 
 BUCKET_MB = 0.005  # the model below spans 3 buckets (the first holds 3 tensors)
 SKEW = 0.8   # fraction of a rank's examples drawn from its own classes

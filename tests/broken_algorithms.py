@@ -16,7 +16,7 @@ from commlib.algorithms.local_sgd import LocalSGD
 from commlib.algorithms.low_precision_decentralized import REPLICAS, LowPrecisionDecentralized
 from commlib.algorithms.qadam import QAdam
 from commlib.primitives import allreduce
-from commlib.reduce_ops import ReduceOp
+from commlib.base.reduce_ops import ReduceOp
 
 DROPPED = 0  # the bucket the "drop a bucket" controls never exchange: the output layer's
 

@@ -35,7 +35,7 @@ def torch_groups():
     import torch.distributed as dist
 
     import commlib
-    from commlib.mpi_env import free_port
+    from commlib.mpi.mpi_env import free_port
     owned = not dist.is_initialized()
     if owned:
         port = commlib.broadcast(np.array([free_port() if commlib.get_rank() == 0 else 0]))
@@ -82,11 +82,11 @@ def pytest_unconfigure(config):
     ``MPI_Finalize`` (plain mpi4py, measured: one file per singleton). commlib's import
     releases it in every process that imports commlib; pytest-xdist's controller never
     does, while pytest-mpi initializes MPI in it: release what this process maps (the
-    files of this process only, see commlib.shm)."""
+    files of this process only, see commlib.mpi.shm)."""
     if "mpi4py.MPI" in sys.modules and "commlib" not in sys.modules:
         try:
             if sys.modules["mpi4py.MPI"].Is_initialized():
-                from commlib.shm import release
+                from commlib.mpi.shm import release
                 release()
         except Exception:  # noqa: BLE001 - cleanup at the end of the session
             pass

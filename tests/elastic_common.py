@@ -1,5 +1,5 @@
 """Launching fault-tolerant jobs for the elastic tests, on the MPI implementation under
-test (:mod:`commlib.mpi_impl`: each rank a failure domain of its own, and the launcher's
+test (:mod:`commlib.mpi.mpi_impl`: each rank a failure domain of its own, and the launcher's
 options under which a dead rank does not end the job: one hydra proxy per rank and
 ``-disable-auto-cleanup`` on MPICH, ``--with-ft ulfm`` on Open MPI, ``-disable-auto-cleanup``
 on Intel MPI), or one hydra proxy per emulated node with ``benchmarks/netsim.py`` (MPICH),
@@ -30,7 +30,7 @@ def per_rank_hosts(n: int, keep_running: bool = True) -> list[str]:
     """``mpiexec`` options for ``n`` ranks under which one rank can die alone (each rank a
     failure domain of its own: on MPICH a hydra proxy each, on its own "host"
     ``127.0.0.i``) and (``keep_running``) the launcher keeps the others running
-    (:meth:`commlib.mpi_impl.Implementation.launch_args`); skips the test, naming the
+    (:meth:`commlib.mpi.mpi_impl.Implementation.launch_args`); skips the test, naming the
     implementation's reason, where fault-tolerant mode is refused."""
     try:
         return mpi_impl().launch_args(n, fault_tolerant=keep_running, rank_domains=True)[:-2]
@@ -203,7 +203,7 @@ def run_cluster_job(cluster, argv: list[str], timeout: float,
     """As :func:`run_job`, on a ``netsim`` cluster (one hydra proxy per emulated node,
     ``-disable-auto-cleanup``: a signal death ends the node, not the job), over UCX on the
     nodes' ``eth0`` (fault-tolerant mode cannot use libfabric's tcp provider, see
-    :mod:`commlib.fault_tolerance`)."""
+    :mod:`commlib.fault.fault_tolerance`)."""
     env.setdefault("MPIR_CVAR_CH4_NETMOD", "ucx")
     env.setdefault("UCX_NET_DEVICES", "eth0")
     cmd = cluster.prefix()
@@ -238,7 +238,7 @@ def run_store_job(n: int, argv: list[str], timeout: float,
                   **env: str | None) -> tuple[list[int], float, str, list[int]]:
     """Start ``n`` ranks by hand as a Kubernetes job would (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``; rank 0 hosts the store): the store-backed world of
-    :mod:`commlib.launch`. Returns (each rank's status, -9 past ``timeout``; seconds; the
+    :mod:`commlib.mpi.launch`. Returns (each rank's status, -9 past ``timeout``; seconds; the
     output; pids of their sessions left alive)."""
     import socket
     with socket.socket() as s:

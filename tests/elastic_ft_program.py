@@ -44,12 +44,12 @@ parser.add_argument("--size", type=int, default=8192)
 parser.add_argument("--no-ft", action="store_true", help="fault tolerance off (control)")
 parser.add_argument("--victim-rank", type=int, default=None, help="the (first) victim")
 args = parser.parse_args()
-# fault-tolerant mode from the environment, known before MPI starts (commlib.ucx_env)
+# fault-tolerant mode from the environment, known before MPI starts (commlib.mpi.ucx_env)
 os.environ["COMMLIB_FAULT_TOLERANT"] = "0" if args.no_ft else "1"
 
 import commlib  # noqa: E402
 from commlib import PeerFailure  # noqa: E402
-from commlib import agreement as agreement_module  # noqa: E402
+from commlib.fault import agreement as agreement_module  # noqa: E402
 from elastic_common import write_shm  # noqa: E402
 
 if os.environ.get("ELASTIC_DUMP"):  # debugging: every rank's stacks after that long
@@ -98,7 +98,7 @@ if plan is not None and plan[1] == "agreement":
 
     agreement_module.Agreement.decide = dying_decide
 if plan is not None and plan[1] == "creating":
-    from commlib import fault_tolerance
+    from commlib.fault import fault_tolerance
     original_in_thread = fault_tolerance.in_thread
 
     def dying_in_thread(comm, op, fn, *a, **kw):
@@ -111,7 +111,7 @@ if plan is not None and plan[1] == "creating":
 if args.case == "stuck" and plan is None:
     import threading
 
-    from commlib import ft_backend
+    from commlib.fault import ft_backend
     creations = []
     real_create = ft_backend.backend().create
 
@@ -167,7 +167,7 @@ while it < args.iters:
             raise AssertionError("the world did not shrink with the group")
 
 with open(os.path.join(args.outdir, f"rank{world_rank}.json"), "w") as f:
-    from commlib import fault_tolerance as ft_module
+    from commlib.fault import fault_tolerance as ft_module
     watcher = ft_module.watcher()
     json.dump({"rank": world_rank, "iters": it, "groups": groups, "failures": failures,
                "polls": watcher.polls, "launcher_reads": watcher.launcher_reads,

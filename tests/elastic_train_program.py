@@ -95,7 +95,7 @@ scenarios = json.loads(args.scenarios) if args.scenarios else []
 FT = not (reference or scenarios or args.no_ft)
 # as docs/guide/fault-tolerance.md says to launch: fault-tolerant mode from the environment,
 # known before MPI starts (commlib then starts UCX without rendezvous inside a machine,
-# commlib.ucx_env)
+# commlib.mpi.ucx_env)
 os.environ["COMMLIB_FAULT_TOLERANT"] = "1" if FT else "0"
 
 import commlib  # noqa: E402
@@ -243,7 +243,7 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     if faults and args.fault == "lag" and me == 1 and step == plan.get(victims[0]) and \
             not getattr(st, "_lagged", False):
         st.__dict__["_lagged"] = True
-        while victims[0] not in commlib.fault_tolerance.dead():
+        while victims[0] not in commlib.fault.fault_tolerance.dead():
             time.sleep(0.005)
         raise commlib.PeerFailure("injected: this rank acts as if its exchange failed",
                                   failed=[victims[0]])
@@ -276,7 +276,7 @@ def lag_average() -> None:
     from commlib.algorithms.buckets import pack
     from commlib.algorithms.local_sgd import LocalSGD
     from commlib.primitives import allreduce as _allreduce
-    from commlib.reduce_ops import ReduceOp
+    from commlib.base.reduce_ops import ReduceOp
     original = LocalSGD._average
     k, victim = plan.get(victims[0]), victims[0]
 
@@ -288,7 +288,7 @@ def lag_average() -> None:
                  for b in ctx.buckets]
         for work in works:
             work.wait()
-        while victim not in commlib.fault_tolerance.dead():
+        while victim not in commlib.fault.fault_tolerance.dead():
             time.sleep(0.005)
         raise commlib.PeerFailure("injected: this rank acts as if its average failed",
                                   failed=[victim])

@@ -72,8 +72,8 @@ def tolerance(dtype: str) -> float:
 
 
 def mpi_impl():
-    """The MPI implementation under test (:func:`commlib.mpi_impl.current`)."""
-    from commlib.mpi_impl import current
+    """The MPI implementation under test (:func:`commlib.mpi.mpi_impl.current`)."""
+    from commlib.mpi.mpi_impl import current
     return current()
 
 
@@ -119,7 +119,7 @@ def mpiexec() -> str:
 
 def mpiexec_cmd(n: int, *args: str, fault_tolerant: bool = False) -> list[str]:
     """``[mpiexec, *args, <the implementation's options for n ranks>, -n, n]``
-    (oversubscription, fault-tolerant launch: :meth:`commlib.mpi_impl.Implementation.
+    (oversubscription, fault-tolerant launch: :meth:`commlib.mpi.mpi_impl.Implementation.
     launch_args`); skips the test when fault-tolerant mode is refused on it."""
     try:
         return [mpiexec(), *args, *mpi_impl().launch_args(n, fault_tolerant)]

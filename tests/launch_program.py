@@ -38,7 +38,7 @@ expect = sys.argv[1]
 bench = "--bench" in sys.argv
 crash = int(sys.argv[sys.argv.index("--crash-rank") + 1]) if "--crash-rank" in sys.argv else -1
 env = os.environ
-world = commlib.launch.current()
+world = commlib.mpi.launch.current()
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -48,7 +48,7 @@ if "SLURM_PROCID" in env and "RANK" not in env:  # mpi_env publishes RANK later,
 else:
     want = (int(env["RANK"]), int(env["WORLD_SIZE"]))
 assert (rank, size) == want, f"MPI rank/size {(rank, size)} != launcher's {want}"
-assert (world is not None) == (expect == "store"), (expect, world, commlib.launch.why_not())
+assert (world is not None) == (expect == "store"), (expect, world, commlib.mpi.launch.why_not())
 node = comm.Split_type(MPI.COMM_TYPE_SHARED)
 want_local = env.get("EXPECT_LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE")
 if want_local:

@@ -2,7 +2,7 @@
 # The test suite on the MPI runtime of the active venv (tests/run_all.sh runs it on each
 # runtime): every test at 1 rank, the fault matrix (its own mpiexec jobs, several at a time),
 # then the multi-rank tests (marked `mpi`) under mpiexec at 2, 3 and 4 ranks. The launcher's options (Open MPI's --oversubscribe,
-# its root permission) come from commlib.mpi_impl, never from this script.
+# its root permission) come from commlib.mpi.mpi_impl, never from this script.
 #
 # PHASES (default "serial fault_matrix 2 3 4") picks the phases; SERIAL_FILES (default: all
 # of tests/) the files of the 1-rank phase. Each run has an outer timeout and commlib's
@@ -19,10 +19,10 @@ cd "$(dirname "$0")/.."
 export COMMLIB_TIMEOUT="${COMMLIB_TIMEOUT:-120}"
 PHASES="${PHASES:-serial fault_matrix 2 3 4}"
 PYTEST=(python -m pytest -q --tb=short -rfE)
-RUNTIME="$(python -m commlib.mpi_impl)"
-mapfile -t PREFIXES < <(python -m commlib.mpi_impl --shm-prefixes | sed '/^$/d')
+RUNTIME="$(python -m commlib.mpi.mpi_impl)"
+mapfile -t PREFIXES < <(python -m commlib.mpi.mpi_impl --shm-prefixes | sed '/^$/d')
 while IFS= read -r kv; do [ -n "$kv" ] && export "$kv"; done \
-  < <(python -m commlib.mpi_impl --launch-env)
+  < <(python -m commlib.mpi.mpi_impl --launch-env)
 segments() {  # the /dev/shm files whose names start with one of PREFIXES
   ls /dev/shm 2>/dev/null | awk -v p="${PREFIXES[*]-}" \
     'BEGIN { n = split(p, a, " ") } { for (i = 1; i <= n; i++) if (index($0, a[i]) == 1) { print; break } }' | sort
@@ -65,7 +65,7 @@ fi
 [ "${#MPI_FILES[@]}" -gt 0 ] || { echo "=== no mpi-marked test files found"; exit 1; }
 for n in 2 3 4; do
   has "$n" || continue
-  mapfile -t LAUNCH < <(python -m commlib.mpi_impl --launch "$n")
+  mapfile -t LAUNCH < <(python -m commlib.mpi.mpi_impl --launch "$n")
   echo "=== $n ranks: multi-rank tests (${#MPI_FILES[@]} files): mpiexec ${LAUNCH[*]}"
   timeout 900 mpiexec "${LAUNCH[@]}" "${PYTEST[@]}" --only-mpi "${MPI_FILES[@]}" || status=1
   took

@@ -40,13 +40,13 @@ comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 want = (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]))
 assert (rank, size) == want, f"MPI rank/size {(rank, size)} != Slurm's {want}"
-world = commlib.launch.current()
+world = commlib.mpi.launch.current()
 if expect == "store":
-    assert world is not None, commlib.launch.why_not()
+    assert world is not None, commlib.mpi.launch.why_not()
     assert "PMI_FD" not in env and env["MASTER_ADDR"] == env["SLURM_STEP_NODELIST"].split(",")[0]
 else:  # pmi: Slurm's PMI-2 server (PMI_FD) or its PMIx server (PMIX_RANK): MPI's own world
-    assert world is None and any(v in (commlib.launch.why_not() or "")
-                                 for v in ("PMI_FD", "PMIX_RANK")), commlib.launch.why_not()
+    assert world is None and any(v in (commlib.mpi.launch.why_not() or "")
+                                 for v in ("PMI_FD", "PMIX_RANK")), commlib.mpi.launch.why_not()
 node = comm.Split_type(MPI.COMM_TYPE_SHARED)
 assert node.Get_size() == int(env["SLURM_STEP_TASKS_PER_NODE"].split("(")[0]), node.Get_size()
 assert node.Get_rank() == int(env["SLURM_LOCALID"]), (node.Get_rank(), env["SLURM_LOCALID"])

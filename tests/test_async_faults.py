@@ -41,7 +41,7 @@ def test_exit_with_a_peer_gone_is_bounded():
     ``-disable-auto-cleanup``: every rank must get out on its own (by default hydra
     SIGKILLs the others as soon as the first one exits 71, and which one that is depends
     on the load; the implementation's option under which a rank's end does not end the job:
-    commlib.mpi_impl's keep_running_args, Open MPI's ``--with-ft ulfm``)."""
+    commlib.mpi.mpi_impl's keep_running_args, Open MPI's ``--with-ft ulfm``)."""
     keep_running = mpi_impl().keep_running_args
     if keep_running is None:
         pytest.skip(f"{mpi_impl().describe()}: no launch option keeps a job running when "

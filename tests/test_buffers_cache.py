@@ -1,6 +1,6 @@
 """The per-signature caches of the buffer layer (issue 33, small messages): a CPU tensor's
-numpy view made once per address, dtype and shape (:mod:`commlib.host_views`), and the
-dtype lookups of :mod:`commlib.buffers`. A cache must never hand MPI a stale view: the
+numpy view made once per address, dtype and shape (:mod:`commlib.base.host_views`), and the
+dtype lookups of :mod:`commlib.base.buffers`. A cache must never hand MPI a stale view: the
 same tensor object whose memory, dtype or shape changed between calls gets a view of what
 it is now; conjugate and negative views are refused as ``tensor.numpy()`` refuses them;
 non-contiguous tensors still go through a contiguous copy; the cache keeps no tensor
@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import commlib  # noqa: E402
-from commlib import buffers, host_views  # noqa: E402
+from commlib.base import buffers, host_views  # noqa: E402
 
 
 def _n() -> int:

@@ -244,7 +244,7 @@ def test_staged_path_matches_direct(monkeypatch):
     CPU torch tensors: same results, staging buffers reused."""
     rank, n = world()
     monkeypatch.setattr(commlib.options, "force_staging", True)
-    from commlib.buffers import _pool
+    from commlib.base.buffers import _pool
     for _ in range(3):
         xs = inputs(1000, "bfloat16", seed=10)
         t = to_kind(xs[rank], "bfloat16", "torch")

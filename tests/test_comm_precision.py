@@ -1,5 +1,5 @@
 """comm_dtype and predivide_factor of the gradient-averaging algorithms, and the torch-style
-compression hooks (commlib.hooks): the arithmetic at 64 simulated ranks (float16 finite
+compression hooks (commlib.ddp.comm_hooks): the arithmetic at 64 simulated ranks (float16 finite
 where dividing after the sum overflows), bytes exactly halved for float32 models, and
 agreement with torch DDP and torch's fp16 hooks over gloo."""
 import numpy as np
@@ -133,7 +133,7 @@ def gloo():
 
 @pytest.mark.mpi
 def test_half_precision_exchange_halves_the_bytes(one_thread_per_rank):
-    from commlib import hooks
+    from commlib.ddp import comm_hooks as hooks
     numel = sum(p.numel() for p in net().parameters())
     D = commlib.DistributedDataParallel
     full = backward_bytes(lambda: D(net(), bucket_cap_mb=0.0002))
@@ -161,7 +161,7 @@ def test_fp16_exchange_against_torch_ddp_with_fp16_compress_hook(gloo, one_threa
                                                                  variant):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from commlib import hooks
+    from commlib.ddp import comm_hooks as hooks
     n = commlib.get_world_size()
     oracle = TorchDDP(net(), bucket_cap_mb=0.0002)
     oracle.register_comm_hook(None, default_hooks.fp16_compress_hook)

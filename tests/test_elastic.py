@@ -157,7 +157,7 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
 # cause, found on 2026-12-02: the victim died in the middle of a large message to rank 0,
 # whose UCX cma copy out of the dead process failed and ended rank 0 ("process_vm_readv
 # ... No such process"). Fault-tolerant mode now turns UCX's rendezvous inside a machine off
-# (commlib.ucx_env, tests/test_ucx_env.py); the rerun stays until more full runs back the fix.
+# (commlib.mpi.ucx_env, tests/test_ucx_env.py); the rerun stays until more full runs back the fix.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd", "diloco",
                                        "streaming_diloco", "powersgd",

@@ -56,7 +56,7 @@ def check_job(tmp_path, case: str, status: int, out: str, left: list[int]) -> di
         assert data["iters"] == 60, f"{case} rank {rank}: stopped at {data['iters']}"
         # one machine: the deaths are seen from the process ids, never by asking the
         # launcher (on MPICH a rank dying mid-request would end the job;
-        # commlib.failure_detection)
+        # commlib.fault.failure_detection)
         assert data["polls"] > 0 and data["launcher_reads"] == 0, (case, rank, data)
         if mpi_impl().fault_tolerance == "ulfm":
             # revoking the communicator brought every waiter given up on back from MPI

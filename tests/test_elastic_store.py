@@ -1,7 +1,7 @@
-"""Fault tolerance in the store-backed world (``commlib.launch``: ranks started without
+"""Fault tolerance in the store-backed world (``commlib.mpi.launch``: ranks started without
 ``mpiexec``, as a Kubernetes job or ``srun`` starts them; rank 0 hosts the store): a rank
 dies alone and the others go on (issue 21 section 3). Failure detection there is
-:class:`commlib.fault_tolerance.StoreDetector` (process ids on one host, heartbeats in the
+:class:`commlib.fault.fault_tolerance.StoreDetector` (process ids on one host, heartbeats in the
 store across hosts). Each job under an outer timeout.
 
 * SIGKILL of rank 3 mid-training in ``elastic_train_program.py``: the survivors' final

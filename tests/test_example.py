@@ -20,7 +20,7 @@ def test_train_digits_on_two_ranks():
 
 
 def test_selftest_passes_on_three_ranks():
-    code, seconds, out = run_mpi(3, ["-m", "commlib.selftest", "--size-mb", "0.25",
+    code, seconds, out = run_mpi(3, ["-m", "commlib.tools.selftest", "--size-mb", "0.25",
                                      "--reps", "2"], timeout=120, COMMLIB_TIMEOUT="60")
     assert code == 0 and "self-test PASSED" in out, out
 

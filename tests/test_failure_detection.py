@@ -1,4 +1,4 @@
-"""commlib.failure_detection.LocalProcesses: the peers of this machine and pid namespace are
+"""commlib.fault.failure_detection.LocalProcesses: the peers of this machine and pid namespace are
 watched through their process ids, with no message (and so no PMI request in flight when a
 rank dies); a process that is gone, a zombie or another process with the same id counts
 dead; a peer of another machine or pid namespace is not watched, and then the launcher is
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from commlib import failure_detection as fd
+from commlib.fault import failure_detection as fd
 
 
 def child() -> subprocess.Popen:

@@ -23,7 +23,7 @@ segments it maps; other jobs' segments on the machine are not looked at).
 
 The jobs run at commlib's default settings (``COMMLIB_TIMEOUT`` unset: 1800 s), so a fault
 that only the watchdog would end shows as a hang: a rank that leaves alone must end the job
-by itself (see commlib.exits).
+by itself (see commlib.core.exits).
 
 The nan and step_raises cells of an algorithm and world size share one job (nan at step
 12, step_raises at step 20: one process start-up less, each cell judged as if alone).
@@ -233,7 +233,7 @@ def _warm_numba_cache() -> None:
 
 #: Within CI's budget: every algorithm x every fault at 2 ranks; at 3 ranks, for every algorithm
 #: the faults whose outcome is the algorithm's (nan, step_raises: what travels, who skips, who
-#: differs), and the exit paths (raise, exit, kill, noclose: commlib.exits', the same for every
+#: differs), and the exit paths (raise, exit, kill, noclose: commlib.core.exits', the same for every
 #: algorithm but for what runs in the background) for the algorithms whose communication runs
 #: outside the user's calls (async_model_average's and streaming_diloco's threads); the exit
 #: paths of plain DDP at 3 ranks are test_faults.py's. Every cell of the whole matrix passed

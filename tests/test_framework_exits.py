@@ -15,7 +15,7 @@ with status 1, rank 0 not finishing, no crash, no segment left in ``/dev/shm``.
   unclean-exit guard and the announcement: killed by a 70 s outer timeout).
 
 The Lightning and recipe cases passed before any change here: the exit agreement
-(:mod:`commlib.exits`) already bounds them; these tests keep it so.
+(:mod:`commlib.core.exits`) already bounds them; these tests keep it so.
 
 Measured here (2 cores): 11.5-11.9 s from rank 1's exit to the job's end in each.
 """

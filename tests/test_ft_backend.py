@@ -1,4 +1,4 @@
-"""commlib.ft_backend: each MPI implementation gets its fault-tolerance backend (MPICH:
+"""commlib.fault.ft_backend: each MPI implementation gets its fault-tolerance backend (MPICH:
 commlib's own detection with the launcher's list; Open MPI: ULFM; Intel MPI: commlib's own
 detection on one machine; anything else: refused), and the refusals say which library, why
 and what to use instead. One process; the multi-rank behaviour is tests/test_elastic_ft.py
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
-from commlib import ft_backend, mpi_impl
-from commlib.errors import CommError
-from commlib.mpi_impl import identify
+from commlib.fault import ft_backend
+from commlib.mpi import mpi_impl
+from commlib.base.errors import CommError
+from commlib.mpi.mpi_impl import identify
 
 TEXTS = {
     "mpich": "MPICH Version:      5.0.2\nMPICH Release date: Mon Jun  2 2026\n",
@@ -135,8 +136,8 @@ def test_a_blocking_call_on_a_helper_thread_is_bounded(monkeypatch):
     import threading
     import time
 
-    from commlib import fault_tolerance
-    from commlib.options import options
+    from commlib.fault import fault_tolerance
+    from commlib.base.options import options
 
     class Alive:
         failed = False

@@ -6,7 +6,7 @@ import pytest
 
 import commlib
 from commlib import ReduceOp
-from commlib.accelerator import cuda_usable
+from commlib.base.accelerator import cuda_usable
 from helpers import rank_data
 
 USABLE = cuda_usable()
@@ -47,7 +47,7 @@ def test_torch_cuda_collectives(dtype, async_op):
 def test_torch_cuda_collectives_on_each_path(path, monkeypatch):
     """Host staging, and straight to MPI where the library is CUDA-aware: same results."""
     import torch
-    from commlib.accelerator import cuda_aware
+    from commlib.base.accelerator import cuda_aware
     if path == "direct" and not cuda_aware("auto")[0]:
         pytest.skip("the MPI library is not CUDA-aware: GPU buffers are always staged")
     monkeypatch.setattr(commlib.options, "cuda_aware", "0" if path == "staged" else "1")

@@ -123,7 +123,7 @@ def test_tiny_blocking_allreduce_is_one_collective():
     """Latency: a tiny blocking allreduce (named, unnamed, in place, every op) costs one
     collective - its negotiation round's allgather carries the data - on every rank, and
     gives Horovod's result; a larger one still negotiates, then reduces (two)."""
-    from commlib import accounting
+    from commlib.base import accounting
     n, me = hvd.size(), hvd.rank()
     hvd.barrier()
     before = accounting.stats()

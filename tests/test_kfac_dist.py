@@ -305,7 +305,7 @@ def test_dp_kfac_holds_less_second_order_state_than_d_kfac():
 @pytest.fixture
 def mpi_calls(monkeypatch):
     """Every (op, bytes) commlib counts, in order, as it counts them."""
-    import commlib.accounting as module
+    import commlib.base.accounting as module
     original, log = module.record, []
 
     def record(op, nbytes, size):

@@ -1,4 +1,4 @@
-"""A real MPI world from any launcher's environment (commlib.launch).
+"""A real MPI world from any launcher's environment (commlib.mpi.launch).
 
 torchrun (2 and 3 ranks; two agents with ``--nnodes 2`` and the c10d rendezvous; and
 ``--max-restarts 1`` after a SIGKILL), N processes started
@@ -25,8 +25,8 @@ import pytest
 
 from helpers import clean_env, mpi_impl, requires_store_world, serial_only
 
-from commlib.launch import environment, pmi, space
-from commlib.launch.world import fnv1a, shm_segments
+from commlib.mpi.launch import environment, pmi, space
+from commlib.mpi.launch.world import fnv1a, shm_segments
 
 pytestmark = serial_only
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -263,7 +263,7 @@ def test_a_rank_that_never_comes_is_named_within_the_timeout(alone):
 
 
 SINGLE = ("import os, sys\n{before}\nimport commlib\nfrom mpi4py import MPI\n"
-          "print('world', MPI.COMM_WORLD.Get_size(), commlib.launch.current(), flush=True)\n"
+          "print('world', MPI.COMM_WORLD.Get_size(), commlib.mpi.launch.current(), flush=True)\n"
           "try:\n    commlib.init()\nexcept commlib.CommError as e:\n"
           "    print('refused:', e, flush=True)\n")
 
@@ -304,8 +304,8 @@ def test_detect_torchrun_env_and_slurm():
     assert (tr.launcher, tr.rank, tr.size, tr.local_rank, tr.local_size) == \
         ("torchrun", 3, 4, 1, 2)
     assert tr.use_agent_store and tr.node.endswith("/1") and tr.attempt == 2
-    assert tr.namespace == "commlib/launch/r_1/2"
-    assert tr.previous_namespaces() == ["commlib/launch/r_1/0", "commlib/launch/r_1/1"]
+    assert tr.namespace == "commlib/mpi/launch/r_1/2"
+    assert tr.previous_namespaces() == ["commlib/mpi/launch/r_1/0", "commlib/mpi/launch/r_1/1"]
     k8s = environment.detect({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m",
                               "MASTER_PORT": "23456"})
     assert k8s.launcher == "env" and not k8s.use_agent_store and k8s.attempt == 0

@@ -1,7 +1,7 @@
 """torchrun ``--nnodes 2`` on the emulated two-tier cluster (``benchmarks/netsim.py``): one
 torchrun agent per emulated node (its own network namespace and hostname), the c10d
 rendezvous on node 0's address, 2 workers per agent. commlib's store-backed world
-(``commlib.launch``) must make them one MPI world of 4 whose nodes are the emulated ones
+(``commlib.mpi.launch``) must make them one MPI world of 4 whose nodes are the emulated ones
 (2 local ranks each), MPICH's inter-node traffic over TCP between the namespaces, gloo beside
 it, and training in ``launch_program.py`` as on one host. Negative control: the same agents
 with a rendezvous that names a third agent never started (``--nnodes 3``) form no world and

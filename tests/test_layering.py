@@ -1,9 +1,10 @@
 """The house's layering, checked on the source: no import cycles among commlib's modules
 (imports inside functions and under ``TYPE_CHECKING`` count), and no layer imports one
-above it: kernels -> base -> communicator -> primitives -> algorithms -> front-ends -> the
-package and its tools. ``commlib.kernels`` (its source is the ``kernels/`` folder, mapped
-under commlib by setup.py) is the bottom: pure compute, importing nothing else of
-commlib and no MPI."""
+above it. Each layer is a folder of ``commlib/`` (the package root holds nothing else but
+``__init__`` and ``__main__``): kernels -> base -> mpi -> fault -> core -> primitives ->
+services -> algorithms -> the front-ends -> run -> integrations -> the package and its
+tools. ``commlib.kernels`` (its source is the ``kernels/`` folder, mapped under commlib by
+setup.py) is the bottom: pure compute, importing nothing else of commlib and no MPI."""
 from __future__ import annotations
 
 import ast
@@ -16,15 +17,18 @@ ROOT = os.path.dirname(os.path.dirname(commlib.__file__))
 
 LAYERS = [
     {"kernels"},
-    {"errors", "options", "accounting", "dtypes", "reduce_ops", "accelerator", "buffers",
-     "host_views", "mpi_env", "shutdown", "shm", "launch", "ucx_env", "mpi_impl"},
-    {"watchdog", "communicator", "exits", "runtime", "fault_tolerance", "failure_detection",
-     "agreement", "ft_backend"},
-    {"primitives", "timeline", "topology"},
+    {"base"},        # errors, options, dtypes, reduce_ops, buffers, accelerator, accounting
+    {"mpi"},         # mpi_impl/, launch/, mpi_env, ucx_env, shm, shutdown, watchdog
+    {"fault"},       # ft_backend, failure_detection, agreement, fault_tolerance
+    {"core"},        # communicator, runtime, exits
+    {"primitives"},
+    {"services"},    # timeline, topology
     {"algorithms"},
-    {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "hooks",
-     "elastic", "horovod"},
-    {"commlib", "examples", "info", "selftest", "run", "integrations", "__main__"},
+    {"ddp", "sharded", "embedding", "pipeline", "parallel", "torch_backend", "nn", "elastic",
+     "horovod"},
+    {"run"},
+    {"integrations"},
+    {"commlib", "examples", "tools", "__main__"},
 ]
 
 
@@ -51,9 +55,11 @@ def modules() -> dict[str, str]:
     return found
 
 
-def import_graph(mods: dict[str, str]) -> dict[str, set[str]]:
+def import_graph(mods: dict[str, str],
+                 unresolved: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
     """Module -> the commlib modules it imports (a name imported from a package is the
-    submodule when there is one, else the package)."""
+    submodule when there is one, else the package); ``unresolved`` gets the other names
+    each imports."""
     graph = {}
     for name, path in mods.items():
         package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
@@ -80,6 +86,8 @@ def import_graph(mods: dict[str, str]) -> dict[str, set[str]]:
                 sub = package + node.args[0].value
                 targets.add(sub if sub in mods else package)
         graph[name] = {t for t in targets if t in mods and t != name}
+        if unresolved is not None:
+            unresolved[name] = {t for t in targets if t not in mods}
     return graph
 
 
@@ -145,6 +153,18 @@ def test_no_layer_imports_upward():
     assert not upward, f"imports from a lower layer into a higher one: {upward}"
 
 
+def test_no_module_imports_a_former_name():
+    """Inside commlib, a moved module is imported at its place in its layer's folder, not by
+    its former flat name (``commlib.runtime``, which commlib/__init__ keeps for users and
+    which the layer checks above would not see)."""
+    unresolved: dict[str, set[str]] = {}
+    import_graph(modules(), unresolved)
+    former = {f"commlib.{old}" for old in commlib._MOVED}
+    found = sorted(f"{m} -> {t}" for m, ts in unresolved.items() for t in ts
+                   if t in former or any(t.startswith(f + ".") for f in former))
+    assert not found, found
+
+
 def test_kernels_are_pure_compute():
     """commlib.kernels imports nothing of commlib but itself (the layer check: it is the
     bottom layer) and no MPI, anywhere in its modules."""
@@ -177,11 +197,24 @@ def test_no_module_imports_a_top_level_kernels():
 
 def test_the_checks_can_fail():
     """Negative controls: a cycle and an upward import are found in a made-up graph."""
-    graph = {"commlib.runtime": {"commlib.timeline"}, "commlib.timeline":
-             {"commlib.primitives.barrier"}, "commlib.primitives.barrier": {"commlib.runtime"},
-             "commlib.errors": set()}
-    assert cycles(graph) == [sorted(["commlib.runtime", "commlib.timeline",
+    graph = {"commlib.core.runtime": {"commlib.services.timeline"},
+             "commlib.services.timeline": {"commlib.primitives.barrier"},
+             "commlib.primitives.barrier": {"commlib.core.runtime"}, "commlib.base.errors": set()}
+    assert cycles(graph) == [sorted(["commlib.core.runtime", "commlib.services.timeline",
                                      "commlib.primitives.barrier"])]
-    assert layer("commlib.timeline") > layer("commlib.runtime")
+    assert layer("commlib.services.timeline") > layer("commlib.core.runtime")
     assert layer("commlib.primitives.compressed") > layer("commlib.kernels._api")
+    assert layer("commlib.integrations.accelerate") > layer("commlib.run")
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_root_holds_the_layers_folders_only():
+    """``commlib/`` holds ``__init__``, ``__main__`` and one folder a layer, each named in
+    :data:`LAYERS` (a module or folder left flat in the root, or not placed, fails)."""
+    top = os.path.join(ROOT, "commlib")
+    placed = set().union(*LAYERS)
+    files = sorted(f for f in os.listdir(top) if f.endswith(".py"))
+    assert files == ["__init__.py", "__main__.py"], files
+    folders = sorted(f for f in os.listdir(top)
+                     if os.path.isfile(os.path.join(top, f, "__init__.py")))
+    assert set(folders) <= placed, set(folders) - placed

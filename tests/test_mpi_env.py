@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib import mpi_env, runtime
+from commlib.mpi import mpi_env
+from commlib.core import runtime
 from helpers import clean_env, serial_only
 
 
@@ -59,7 +60,7 @@ def test_launcher_check_names_torchrun_and_the_fix():
 
 def test_launcher_world_from_the_environment_alone():
     """How import commlib knows it runs under an MPI launcher before any user code can fail
-    (commlib.exits arms the abort-on-exception hook then)."""
+    (commlib.core.exits arms the abort-on-exception hook then)."""
     assert mpi_env.launcher_world({}) is None
     assert mpi_env.launcher_world({"PMI_RANK": "1", "PMI_SIZE": "4"}) == (1, 4)      # hydra
     assert mpi_env.launcher_world({"OMPI_COMM_WORLD_RANK": "0",

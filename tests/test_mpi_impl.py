@@ -1,12 +1,12 @@
-"""commlib.mpi_impl: each implementation recognised from its own version text (as the
-wheels print it), its launcher options, and the shared-memory rule of commlib.shm under the
+"""commlib.mpi.mpi_impl: each implementation recognised from its own version text (as the
+wheels print it), its launcher options, and the shared-memory rule of commlib.mpi.shm under the
 implementation being tested (every rank's segments lose their names once the node mapped
 them)."""
 import os
 
 import pytest
 
-from commlib.mpi_impl import Implementation, current, identify
+from commlib.mpi.mpi_impl import Implementation, current, identify
 
 TEXTS = {
     "mpich": "MPICH Version:      5.0.2\nMPICH Release date: Mon Jun  2 2026\nMPICH ABI: 17:2:5",
@@ -67,7 +67,7 @@ def test_segments_mapped_by_the_node_have_no_name():
     """After ``import commlib`` under mpiexec no shared-memory file of the implementation
     that this rank maps still has a name in /dev/shm (a killed job cannot leave it)."""
     import commlib
-    from commlib import shm
+    from commlib.mpi import shm
     commlib.init()
     commlib.barrier()
     named = [path for path, _, still in shm.mapped() if still]
@@ -80,8 +80,8 @@ def test_store_world_refused_where_the_library_cannot_join_naming_mpirun(monkeyp
     naming the launch line to use; MPICH-ABI libraries pass."""
     import types
 
-    from commlib import mpi_impl
-    from commlib.launch import world
+    from commlib.mpi import mpi_impl
+    from commlib.mpi.launch import world
     job = types.SimpleNamespace(launcher="torchrun", size=4)
     monkeypatch.setattr(mpi_impl, "_current", identify(TEXTS["openmpi"]))
     with pytest.raises(RuntimeError, match=r"mpirun -n 4 python .*srun --mpi=pmix"):
@@ -161,7 +161,7 @@ def test_open_mpi_launch_environment_is_prepared_before_init(monkeypatch):
     import sys
     import warnings
 
-    from commlib.mpi_impl import openmpi
+    from commlib.mpi.mpi_impl import openmpi
     with warnings.catch_warnings(record=True) as seen:  # MPI initialized already: too late
         warnings.simplefilter("always")
         assert openmpi.prepare_environment({"OMPI_COMM_WORLD_SIZE": "2"}) == []

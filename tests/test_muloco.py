@@ -25,7 +25,7 @@ from commlib.algorithms.muloco import (MuLoCo, MuonWithAdamW,  # noqa: E402
                                        muloco_inner_optimizer)
 from commlib.ddp import per_rank_state  # noqa: E402
 from commlib.primitives import allreduce  # noqa: E402
-from commlib.reduce_ops import ReduceOp  # noqa: E402
+from commlib.base.reduce_ops import ReduceOp  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
@@ -411,7 +411,7 @@ def test_non_finite_weights_raise_on_every_rank_and_change_nothing(compression):
     """NaN in the last rank's weights after iteration 5 (H = 2, accumulators set by the
     outer steps after 2 and 4): the outer step after 6 raises NonFiniteError naming that
     rank on every rank; global weights, outer momentum and accumulators stay as before."""
-    from commlib.errors import NonFiniteError
+    from commlib.base.errors import NonFiniteError
     n, rank = commlib.get_world_size(), commlib.get_rank()
     algo = MuLoCo(sync_every=2, compression=compression)
     before = {}

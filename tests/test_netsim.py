@@ -62,7 +62,7 @@ def test_inter_node_rate_is_shaped_and_unshaped_is_not():
 PROGRAM = r"""
 import json, os, socket, sys
 import commlib
-from commlib.mpi_env import _node
+from commlib.mpi.mpi_env import _node
 from mpi4py import MPI
 commlib.init()
 local_rank, local_size = _node(MPI.COMM_WORLD)

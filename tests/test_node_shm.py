@@ -24,9 +24,9 @@ import pytest
 
 import commlib
 from commlib import ReduceOp
-from commlib.options import options
+from commlib.base.options import options
 from commlib.primitives import node_shm
-from commlib.reduce_ops import mpi_op
+from commlib.base.reduce_ops import mpi_op
 from helpers import mpi_impl, serial_only
 
 torch = pytest.importorskip("torch")
@@ -147,7 +147,7 @@ def both_paths(name: str, call, shm_expected: bool):
 
 
 def valid_ops(dtype: str) -> list[ReduceOp]:
-    from commlib import dtypes
+    from commlib.base import dtypes
     out = []
     for op in OPS:
         try:
@@ -351,9 +351,9 @@ def test_hierarchical_node_tier(kind, dtype):
 def test_nothing_named_in_dev_shm():
     """The windows' files (MPICH: mpich_shar_tmp*) are unlinked once every rank mapped
     them: none of the files this rank maps still has a name (the MPI library's own
-    segments excepted, which commlib.shm releases)."""
+    segments excepted, which commlib.mpi.shm releases)."""
     from helpers import shm_segments
-    from commlib.mpi_impl import current
+    from commlib.mpi.mpi_impl import current
     mpi_own = tuple(current().shm_prefixes)
     named = [s for s in shm_segments() if os.path.exists(os.path.join("/dev/shm", s))
              and not s.startswith(mpi_own) and not s.startswith("torch_")]

@@ -2,7 +2,7 @@
 import pytest
 
 import commlib
-from commlib.options import Options
+from commlib.base.options import Options
 
 
 def test_unknown_option_is_rejected():

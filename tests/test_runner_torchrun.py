@@ -1,5 +1,5 @@
 """The runner, the entry point and the Lightning strategy under ``torchrun`` (2 ranks): the
-processes torchrun starts form one MPI world through ``commlib.launch``.
+processes torchrun starts form one MPI world through ``commlib.mpi.launch``.
 
 * ``torchrun ... -m commlib --algorithm local_sgd mingpt/main.py``: every replica's checksum
   equal at every sync point, the snapshot holds it (the negative control of
@@ -25,7 +25,7 @@ from test_runner import DESTROY, EPOCHS, MINGPT, assert_identical, snapshot_chec
 
 pytest.importorskip("torch")
 pytest.importorskip("tomllib")
-pytest.importorskip("commlib.launch")
+pytest.importorskip("commlib.mpi.launch")
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = serial_only
 if store_world_refusal():

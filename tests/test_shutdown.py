@@ -1,13 +1,13 @@
-"""The exit-path registry (commlib.shutdown) on its own: weak references, newest first, a
+"""The exit-path registry (commlib.mpi.shutdown) on its own: weak references, newest first, a
 common deadline, stuck objects reported, the final steps last; the release of MPICH's
-shared-memory segments (commlib.shm) on its own (the multi-rank exit paths are in
+shared-memory segments (commlib.mpi.shm) on its own (the multi-rank exit paths are in
 test_faults.py, test_async_faults.py and the fault matrix)."""
 import gc
 import time
 
 import pytest
 
-from commlib import shutdown
+from commlib.mpi import shutdown
 from helpers import clean_env
 
 
@@ -61,7 +61,7 @@ def test_registration_keeps_nothing_alive():
 
 
 def test_final_steps_run_after_every_object_stopped(tmp_path):
-    """commlib.exits' agreement with the other ranks is a final step: it must come after
+    """commlib.core.exits' agreement with the other ranks is a final step: it must come after
     commlib's threads stopped (they may still communicate), at interpreter exit."""
     import subprocess
     import sys
@@ -82,12 +82,12 @@ def test_final_steps_run_after_every_object_stopped(tmp_path):
 
 
 def test_release_unlinks_only_the_segments_this_process_maps(tmp_path):
-    """commlib.shm.release: a segment this process maps loses its name; a segment of the
+    """commlib.mpi.shm.release: a segment this process maps loses its name; a segment of the
     same kind that it does not map (another job's), or whose name now points at another
     file, is left alone; the mapping stays usable."""
     import mmap
     import os
-    from commlib import shm
+    from commlib.mpi import shm
     if not os.path.isdir("/dev/shm") or not os.path.exists("/proc/self/maps"):
         pytest.skip("needs Linux /dev/shm")
     if not shm.prefixes():

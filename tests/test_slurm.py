@@ -30,9 +30,9 @@ import pytest
 import slurm_cluster
 from helpers import mpi_impl, requires_store_world, serial_only
 
-from commlib import runtime
-from commlib.launch import environment
-from commlib.launch.world import shm_segments
+from commlib.core import runtime
+from commlib.mpi.launch import environment
+from commlib.mpi.launch.world import shm_segments
 import commlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,8 +45,8 @@ pytestmark = serial_only
 
 
 def _segments() -> set:
-    """The MPI library's segments in /dev/shm (commlib.shm: mpich_*, sm_segment.*)."""
-    from commlib import shm
+    """The MPI library's segments in /dev/shm (commlib.mpi.shm: mpich_*, sm_segment.*)."""
+    from commlib.mpi import shm
     kinds = tuple(p.rsplit("/", 1)[1] for p in shm.prefixes())
     return {n for n in os.listdir("/dev/shm") if kinds and n.startswith(kinds)} \
         if os.path.isdir("/dev/shm") else set()
@@ -170,7 +170,7 @@ def test_sbatch_script_pmi2_exported_variables_and_a_world_that_cannot_form(clus
     assert "srun --mpi=none python -c" in step2, text
 
 
-EXPORTED = ("import commlib, os; commlib.init(); j = commlib.launch.current().job; "
+EXPORTED = ("import commlib, os; commlib.init(); j = commlib.mpi.launch.current().job; "
             "print('exported world', commlib.get_world_size(), 'rank', commlib.get_rank(), "
             "'task', os.environ['SLURM_PROCID'], j.launcher, f'{j.master_addr}:{j.master_port}',"
             " flush=True)")
@@ -205,7 +205,7 @@ def test_launcher_check_names_srun_and_the_fix():
     # (tasks meant to run alone).
     step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "2", "SLURM_PROCID": "3",
             "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4"}
-    if commlib.launch.current() is not None or \
+    if commlib.mpi.launch.current() is not None or \
             __import__("mpi4py.MPI").MPI.COMM_WORLD.Get_size() != 1:
         pytest.skip("needs a world of one MPI process")
     with pytest.raises(commlib.CommError) as info:

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import commlib  # noqa: E402
-from commlib import timeline  # noqa: E402
+from commlib.services import timeline  # noqa: E402
 
 STEPS = 3
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib.topology import AXES, Grid
+from commlib.services.topology import AXES, Grid
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 4, 1), (2, 2, 1), (2, 1, 3), (3, 2, 2), (2, 3, 4)]
 ORDERS = ["tp-pp-dp", "dp-pp-tp", "pp-tp-dp"]

@@ -2,6 +2,8 @@
 reference that every rank computes for every rank (float64 values that sum exactly).
 Every call names its group (``commlib_pg``: the commlib process group of all ranks), so the
 tests hold whatever the default group of the session is."""
+import importlib
+
 import numpy as np
 import pytest
 
@@ -311,8 +313,8 @@ def test_unsupported_operations_name_themselves(commlib_pg):
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(not __import__("commlib.accelerator").accelerator.cuda_usable()["torch.cuda"],
-                    reason="no CUDA GPU for torch")
+@pytest.mark.skipif(not importlib.import_module("commlib.base.accelerator")
+                    .cuda_usable()["torch.cuda"], reason="no CUDA GPU for torch")
 def test_cuda_tensors_and_ddp_on_the_gpu(commlib_pg):
     r, n = dist.get_rank(), dist.get_world_size()
     t = data(r).cuda()

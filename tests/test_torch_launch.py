@@ -1,6 +1,6 @@
 """Launching torch.distributed programs: torchrun-style scripts run unchanged under
 ``mpiexec`` once they import commlib (env:// variables from MPI); a torchrun launch of a
-commlib program forms one MPI world (commlib.launch; more in test_launch.py), and with
+commlib program forms one MPI world (commlib.mpi.launch; more in test_launch.py), and with
 that turned off (``COMMLIB_LAUNCH=mpi``) fails fast on every rank, naming torchrun, the
 reason and mpiexec; a plain singleton run still works; a job that never destroys its
 process groups still exits 0.
@@ -54,7 +54,7 @@ def envs(out: str) -> dict:
 def test_torchrun_style_script_commlib_imported_first_default_backend(tmp_path):
     # No backend argument (gloo for CPU tensors), commlib imported before torch; the port
     # the user set is kept.
-    from commlib.mpi_env import free_port
+    from commlib.mpi.mpi_env import free_port
     port = str(free_port())
     code, seconds, out = run_mpi(2, [PROGRAM, "commlib-first", "default", str(tmp_path)],
                                  timeout=120, **{k: v for k, v in launch_env().items()
@@ -73,7 +73,7 @@ def test_torchrun_style_script_commlib_imported_first_default_backend(tmp_path):
 def test_torchrun_style_script_torch_first_commlib_backend_simulated_nodes(tmp_path):
     # backend="commlib", torch imported before commlib, 3 ranks on simulated nodes of 2
     # (COMMLIB_LOCAL_SIZE=2): MASTER_ADDR is then rank 0's routable address, not loopback.
-    from commlib.mpi_env import host_addresses
+    from commlib.mpi.mpi_env import host_addresses
     code, seconds, out = run_mpi(3, [PROGRAM, "torch-first", "commlib", str(tmp_path)],
                                  timeout=120, COMMLIB_TIMEOUT="30", COMMLIB_LOCAL_SIZE="2")
     assert code == 0, out

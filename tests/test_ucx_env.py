@@ -1,5 +1,5 @@
 """Fault-tolerant mode starts UCX without rendezvous between ranks of one machine
-(commlib.ucx_env): with UCX's ``cma`` rendezvous, a rank that dies while sending a large
+(commlib.mpi.ucx_env): with UCX's ``cma`` rendezvous, a rank that dies while sending a large
 message to a rank of its machine ends the receiver too (measured: 4 of 5 runs), and with
 ``cma`` left out UCX's ``tcp`` rendezvous inside the machine makes a survivor segfault
 (2 of 24 jobs of tests/test_elastic_ft.py under load)."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from commlib import mpi_impl, ucx_env
+from commlib.mpi import mpi_impl, ucx_env
 from helpers import clean_env, mpiexec
 
 HERE = os.path.dirname(os.path.abspath(__file__))

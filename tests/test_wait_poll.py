@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib import runtime
+from commlib.core import runtime
 from commlib.primitives import (allgather, allgather_v, allreduce, alltoall, alltoall_v,
                                 barrier, broadcast, gather, new_group, recv, recv_any,
                                 reduce, reduce_scatter, scatter, send, sendrecv)

@@ -1,4 +1,4 @@
-"""commlib.watchdog.Watchdog: deadlines expire, and nothing a call armed stays referenced
+"""commlib.mpi.watchdog.Watchdog: deadlines expire, and nothing a call armed stays referenced
 by the watchdog's thread once the call disarmed (an entry's ``what`` holds the call's
 buffers, so the user's tensor)."""
 import gc
@@ -6,7 +6,7 @@ import threading
 import time
 import weakref
 
-from commlib.watchdog import Watchdog
+from commlib.mpi.watchdog import Watchdog
 
 
 class Payload:

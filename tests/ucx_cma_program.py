@@ -3,8 +3,8 @@
 and then prints ``receiver alive`` and how many messages it got. Under UCX's ``cma``
 transport the receiver's copy out of the dead sender's memory fails and MPICH ends the
 receiver; ``commlib`` imported first turns rendezvous inside a machine off in
-fault-tolerant mode (``COMMLIB_FAULT_TOLERANT=1``, commlib.ucx_env). Run with one hydra proxy per rank and
-``-disable-auto-cleanup``."""
+fault-tolerant mode (``COMMLIB_FAULT_TOLERANT=1``, commlib.mpi.ucx_env). Run with one hydra
+proxy per rank and ``-disable-auto-cleanup``."""
 import os
 import signal
 import threading

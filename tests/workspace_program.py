@@ -22,7 +22,7 @@ from commlib.primitives.compressed import workspace_bytes  # noqa: E402
 def main(cycles: int) -> None:
     torch.set_num_threads(1)
     commlib.init()
-    assert not commlib.runtime.thread_multiple(), "run with MPI4PY_RC_THREAD_LEVEL=serialized"
+    assert not commlib.core.runtime.thread_multiple(), "run with MPI4PY_RC_THREAD_LEVEL=serialized"
     held = []
     for cycle in range(cycles):
         width = 8 + cycle  # a new bucket shape every cycle: a new workspace every cycle

@@ -27,11 +27,11 @@ overlaps the next iteration's forward, backward and optimizer step and is applie
 (``average - snapshot`` added to the weights) after that iteration, before the round due
 then is launched. One weight allreduce per ``N`` iterations: ``1/N`` of
 ``gradient_allreduce``'s bytes, the same rounds on every rank. A non-finite average is
-never applied: every rank raises :class:`~commlib.errors.NonFiniteError` naming the ranks
+never applied: every rank raises :class:`~commlib.base.errors.NonFiniteError` naming the ranks
 whose weights are not finite.
 
 Non-finite values (``sync_interval_ms``): a round whose average is not finite is never applied; averaging stops
-on every rank and the next forward raises :class:`~commlib.errors.NonFiniteError` naming
+on every rank and the next forward raises :class:`~commlib.base.errors.NonFiniteError` naming
 the ranks. A step skipped on one rank (``torch.amp.GradScaler`` found a non-finite
 gradient there) leaves that rank's weights finite and needs nothing from the others.
 """
@@ -42,11 +42,11 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..errors import NonFiniteError
+from ..base.errors import NonFiniteError
 from ..primitives import allreduce
 from ..primitives.finite import all_finite, nonfinite_ranks
 from ..primitives.background import BackgroundAverager
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import state
 from .base import GRADIENTS, WEIGHTS, Algorithm, Context
 from .buckets import Bucket, build, pack

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..primitives import compressed_allreduce
 from ..primitives.compressed import release_workspaces
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .base import Algorithm, Context
 from .buckets import Bucket
 from .registry import register

@@ -12,7 +12,7 @@ them equal, e.g. before evaluation.
 Non-finite weights are never averaged into the replicas: when an averaged snapshot holds
 NaN or Inf (some rank took a step on non-finite gradients), every rank that received it
 (every rank under ``"all"``, the pair under ``"shift_one"``) raises
-:class:`~commlib.errors.NonFiniteError` naming the rank, and keeps its own weights.
+:class:`~commlib.base.errors.NonFiniteError` naming the rank, and keeps its own weights.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import NonFiniteError
+from ..base.errors import NonFiniteError
 from ..primitives import PEER_MODES, peer_average, shift_one_peer
 from ..primitives.finite import all_finite, nonfinite_ranks
 from . import state

@@ -21,7 +21,7 @@ float32.
 State (:meth:`state_dict`): the global weights and the outer momentum, the same on every
 rank; resumed exactly. Non-finite weights are never stepped into the global ones: when the
 averaged pseudo-gradient holds NaN or Inf (the same on every rank), nothing is applied and
-every rank raises :class:`~commlib.errors.NonFiniteError` naming the ranks whose weights
+every rank raises :class:`~commlib.base.errors.NonFiniteError` naming the ranks whose weights
 are not finite. A step that ``torch.amp.GradScaler`` skipped on one rank leaves that rank's
 weights finite and needs nothing from the others (gradients never travel).
 """
@@ -31,10 +31,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..errors import NonFiniteError
+from ..base.errors import NonFiniteError
 from ..primitives import allreduce
 from ..primitives.finite import all_finite, nonfinite_ranks
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import state
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import Bucket, pack, unpack

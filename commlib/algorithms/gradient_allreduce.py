@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..primitives import allreduce
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import precision
 from .base import Algorithm, Context
 from .buckets import Bucket

@@ -5,13 +5,13 @@ weight bytes equal gradient bytes, so communication is about ``1/sync_every`` of
 
 Non-finite weights are never averaged into the replicas: when an average holds NaN or
 Inf (the same on every rank), no bucket's average is applied, and every rank raises
-:class:`~commlib.errors.NonFiniteError` naming the ranks whose weights are not finite."""
+:class:`~commlib.base.errors.NonFiniteError` naming the ranks whose weights are not finite."""
 from __future__ import annotations
 
-from ..errors import NonFiniteError
+from ..base.errors import NonFiniteError
 from ..primitives import allreduce
 from ..primitives.finite import all_finite, nonfinite_ranks
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import pack, unpack
 from .registry import register

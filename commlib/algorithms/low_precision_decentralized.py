@@ -19,7 +19,7 @@ ends add the same decompressed bytes.
 
 Non-finite weights are never sent into the replicas: a rank whose weights hold NaN or
 Inf (an optimizer step taken on non-finite gradients) sends NaN chunks instead, and it
-and its ring neighbours raise :class:`~commlib.errors.NonFiniteError` naming it before
+and its ring neighbours raise :class:`~commlib.base.errors.NonFiniteError` naming it before
 any replica or weight is updated. A step that ``torch.amp.GradScaler`` skipped leaves the
 weights finite.
 """
@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import NonFiniteError
+from ..base.errors import NonFiniteError
 from ..primitives import allgather, compressed_ring_exchange
 from ..primitives.decentralized import ring_neighbors
 from ..primitives.finite import all_finite

@@ -63,7 +63,7 @@ State (:meth:`state_dict`): DiLoCo's (global weights and outer momentum, the sam
 rank) and this rank's accumulators; resumed exactly. A non-finite accumulator is sent as
 NaN (``"int2"``/``"topk"``: the whole tensor; ``"int8"``/``"int4"``: its chunks), so the
 average is NaN on every rank and every rank raises
-:class:`~commlib.errors.NonFiniteError` as in ``diloco``; nothing (weights, momentum,
+:class:`~commlib.base.errors.NonFiniteError` as in ``diloco``; nothing (weights, momentum,
 accumulators) is changed then.
 """
 from __future__ import annotations

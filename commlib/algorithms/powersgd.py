@@ -45,7 +45,7 @@ import torch
 
 from ..primitives import allreduce
 from ..primitives.finite import all_finite
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import state
 from .base import Algorithm, Context
 from .buckets import Bucket

@@ -35,7 +35,7 @@ import torch
 
 from ..primitives import CompressionState, allreduce, compressed_allreduce
 from ..primitives.compressed import release_workspaces
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import precision, state
 from .base import Algorithm, Context
 from .buckets import Bucket

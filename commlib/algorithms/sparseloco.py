@@ -94,7 +94,7 @@ error-feedback buffers (``per_rank_state``); resumed bit-exact. Global weights a
 buffers of float16/bfloat16 parameters are float32. Non-finite values: when a rank's
 error-fed pseudo-gradient of a bucket holds NaN or Inf it sends NaN scales for that
 bucket; every rank then finds them in the gathered bytes and raises
-:class:`~commlib.errors.NonFiniteError` naming those ranks, with nothing applied (global
+:class:`~commlib.base.errors.NonFiniteError` naming those ranks, with nothing applied (global
 weights, replicas and error buffers as before the outer step).
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..errors import NonFiniteError
+from ..base.errors import NonFiniteError
 from ..primitives import allgather
 from ..primitives.finite import all_finite
 from . import state

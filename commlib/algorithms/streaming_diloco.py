@@ -33,7 +33,7 @@ State (:meth:`state_dict`): the global weights and outer momentum (the same on e
 and, per rank, the replica weights of an exchange in flight and the error-feedback
 residuals; a state is taken between iterations and resumes exactly, also with an
 exchange in flight (its average is recomputed on loading). Non-finite pseudo-gradients
-raise :class:`~commlib.errors.NonFiniteError` on every rank as in ``diloco``.
+raise :class:`~commlib.base.errors.NonFiniteError` on every rank as in ``diloco``.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import torch
 
 from ..primitives import allreduce, compressed_allreduce, new_group
 from ..primitives.compressed import release_workspaces
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import int4, state
 from .base import Context
 from .buckets import Bucket, build, pack

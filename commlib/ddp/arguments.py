@@ -179,7 +179,7 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
 def _from_torch_group(pg: Any) -> Any:
     import torch.distributed as dist
 
-    from .. import runtime
+    from ..core import runtime
     try:
         from ..torch_backend import commlib_group
     except ImportError:

@@ -5,7 +5,15 @@
 :class:`GradBucket` with the methods of ``torch.distributed.GradBucket``. torch's own hooks
 (``torch.distributed.algorithms.ddp_comm_hooks``) work when ``torch.distributed`` is
 initialized (e.g. with the ``commlib`` backend); the hooks below need nothing but commlib:
-``state`` is a :class:`commlib.Group` or ``None`` (the wrapper's group).
+``state`` is a :class:`commlib.Group` or ``None`` (the wrapper's group). Same names and
+semantics as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``; also
+importable as ``commlib.hooks``::
+
+    ddp.register_comm_hook(None, commlib.hooks.fp16_compress_hook)
+    ddp.register_comm_hook(None, commlib.hooks.bf16_compress_wrapper(my_hook))
+
+For a precision choice without a hook (and with a predivide factor), pass
+``comm_dtype=``/``predivide_factor=`` to :class:`commlib.DistributedDataParallel`.
 """
 from __future__ import annotations
 
@@ -16,7 +24,10 @@ import torch
 from ..algorithms.base import Algorithm, Context
 from ..algorithms.buckets import Bucket
 from ..primitives import allreduce
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
+
+__all__ = ["GradBucket", "allreduce_hook", "bf16_compress_hook", "bf16_compress_wrapper",
+           "fp16_compress_hook", "fp16_compress_wrapper"]
 
 
 class GradBucket:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CommError
+from ..base.errors import CommError
 from ..primitives import allgather, allgather_v
 
 

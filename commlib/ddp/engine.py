@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from .. import shutdown
+from ..mpi import shutdown
 
 
 def drive(result: Any, poll_s: float | None = None) -> Any:
@@ -85,7 +85,7 @@ class Engine:
         return True
 
     def stop_at_exit(self, deadline: float) -> bool:
-        """:mod:`commlib.shutdown`: close by ``deadline`` (``time.monotonic()``)."""
+        """:mod:`commlib.mpi.shutdown`: close by ``deadline`` (``time.monotonic()``)."""
         return self.close(max(0.0, deadline - time.monotonic()))
 
     def __repr__(self) -> str:

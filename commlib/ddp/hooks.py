@@ -20,11 +20,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import accounting
+from ..base import accounting
 from ..algorithms.base import Algorithm, Context
 from ..algorithms.buckets import Bucket
 from ..primitives import allgather_v, allreduce
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .engine import Engine, drive
 
 # Readiness modes, after torch DDP's: every parameter must get a gradient ("strict"), the

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..primitives import allreduce
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 
 
 class Join:

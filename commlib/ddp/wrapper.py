@@ -9,12 +9,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.algorithms.join import Joinable
 
-from .. import runtime
+from ..core import runtime
 from ..algorithms.base import GRADIENTS, Algorithm, Context
 from ..algorithms.buckets import plan
-from ..options import options
+from ..base.options import options
 from ..primitives import allreduce, broadcast, new_group
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import arguments, replicas
 from .consistency import check_same_model
 from .engine import Engine

@@ -2,7 +2,7 @@
 replacement join (issue 21).
 
 Fault-tolerant mode (``commlib.init(fault_tolerant=True)`` or ``COMMLIB_FAULT_TOLERANT=1``;
-see :mod:`commlib.fault_tolerance` for the launch it needs) makes a dead peer a
+see :mod:`commlib.fault.fault_tolerance` for the launch it needs) makes a dead peer a
 :class:`~commlib.PeerFailure` on every survivor; this package turns that into training that
 goes on, with an API a Horovod-elastic user recognizes::
 
@@ -26,7 +26,7 @@ goes on, with an API a Horovod-elastic user recognizes::
 memory; :func:`run` catches the failure, shrinks the group, restores the agreed commit on
 every survivor and calls the training function again over the survivors.
 """
-from ..errors import PeerFailure
+from ..base.errors import PeerFailure
 from .run import recover, run
 from .sampler import ElasticSampler
 from .state import POLICIES, UNSUPPORTED, State

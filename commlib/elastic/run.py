@@ -6,7 +6,7 @@ import functools
 import time
 from typing import Any, Callable
 
-from ..errors import CommError, PeerFailure
+from ..base.errors import CommError, PeerFailure
 from ..primitives import ft, world
 from .spares import release, split, stand_by, top_up
 from .state import State

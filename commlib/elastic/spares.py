@@ -12,7 +12,7 @@ Protocol (all on commlib's fault-tolerant primitives):
 * **Standing by**: a spare waits in :func:`commlib.primitives.standby.wait_call` (a probe
   every few milliseconds, sleeping in between; no collective of the training); the
   trainers' collectives fail on its death as on any death of the job (the failure domain
-  is the whole job, :mod:`commlib.fault_tolerance`), they recover among themselves and
+  is the whole job, :mod:`commlib.fault.fault_tolerance`), they recover among themselves and
   the dead spare leaves the pool at the next merge (the agreement counts it dead).
 * **Merge** (after the survivors' shrink and restore, :func:`top_up`): the survivors pick
   the first ``missing`` spares of the pool; every survivor sends each of them the
@@ -34,8 +34,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import CommError
-from ..options import options
+from ..base.errors import CommError
+from ..base.options import options
 from ..primitives import ft, standby, world
 from ..primitives.group import assemble, new_group
 from . import transfer

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..ddp.replicas import per_rank_state
-from ..errors import CommError
+from ..base.errors import CommError
 from ..primitives import broadcast, world
 from . import transfer
 

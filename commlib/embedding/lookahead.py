@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..errors import where
+from ..base.errors import where
 from ..primitives import allgather_v
 
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..errors import where
+from ..base.errors import where
 from .lookup import Lookup, Rows
 from .table import ShardTable
 
@@ -21,7 +21,7 @@ def _check_padding(name: str, num_embeddings: int, padding_idx: Any, max_norm: A
                    norm_type: Any, cache: Any) -> int | None:
     """torch's checks of ``padding_idx`` (negative counts from the end) and the norm
     arguments; ``ValueError``/``TypeError`` naming them (on every rank: from arguments)."""
-    from .. import runtime
+    from ..core import runtime
     here = where(name, runtime.get_rank())
     if padding_idx is not None:
         if not isinstance(padding_idx, int) or isinstance(padding_idx, bool):
@@ -331,7 +331,7 @@ class ShardedEmbeddingBag(_ShardedBase):
                  hook_optimizers: bool = True, *, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0) -> None:
         if mode not in _MODES:
-            from .. import runtime
+            from ..core import runtime
             raise ValueError(f"{where(self._name, runtime.get_rank())}: argument 'mode' "
                              f"must be one of {_MODES}, got {mode!r}")
         super().__init__(num_embeddings, embedding_dim, group, optimizer, lr, staleness,

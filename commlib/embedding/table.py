@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import where
+from ..base.errors import where
 from ..primitives import allgather_v, alltoall_v, new_group
 from . import exchange
 from .optim import make_optimizer

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import commlib
-from commlib import accounting
+from commlib.base import accounting
 from commlib.primitives import allreduce
 
 
@@ -131,7 +131,7 @@ def make_optimizer(args: argparse.Namespace, ddp: nn.Module) -> torch.optim.Opti
 
 def write_timeline(path: str, rank: int, n: int) -> None:
     """Close every rank's trace, then merge them on rank 0 into ``path.json``."""
-    from commlib import timeline
+    from commlib.services import timeline
     timeline.stop()
     commlib.barrier()
     if rank == 0:

@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .. import runtime, timeline
+from ..core import runtime
+from ..services import timeline
 from ..primitives import allgather, group_from_ranks, world
 from . import state
 from .process_sets import ProcessSet, global_process_set, register

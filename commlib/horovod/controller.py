@@ -56,10 +56,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import runtime, shutdown as _shutdown
-from ..options import options
-from ..shutdown import write_stderr
-from ..watchdog import abort_job
+from ..core import runtime
+from ..mpi import shutdown as _shutdown
+from ..base.options import options
+from ..mpi.shutdown import write_stderr
+from ..mpi.watchdog import abort_job
 from ..primitives import allgather, new_group
 from . import state as _state
 from . import wire
@@ -463,7 +464,7 @@ class Controller(ExpressLane):
                 g.free()
 
     def stop_at_exit(self, deadline: float) -> bool:
-        """:mod:`commlib.shutdown`: a script that never called ``hvd.shutdown()``."""
+        """:mod:`commlib.mpi.shutdown`: a script that never called ``hvd.shutdown()``."""
         with self.mutex:
             self.stopping = True
             self.lock.notify_all()

@@ -2,7 +2,7 @@
 
 Horovod's names and semantics (``horovod/common/elastic.py``,
 ``horovod/torch/elastic/{state,sampler}.py`` of 0.28.1) over commlib's recovery from a dead
-rank (:mod:`commlib.fault_tolerance`: launch with ``COMMLIB_FAULT_TOLERANT=1`` and
+rank (:mod:`commlib.fault.fault_tolerance`: launch with ``COMMLIB_FAULT_TOLERANT=1`` and
 ``mpiexec -disable-auto-cleanup``, one hydra proxy per failure domain)::
 
     hvd.init()
@@ -39,8 +39,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import PeerFailure
-from ..options import options
+from ..base.errors import PeerFailure
+from ..base.options import options
 from . import state as _state
 from .requests import HorovodInternalError
 
@@ -276,7 +276,7 @@ class TorchState(ObjectState):
 def _peer_died(exc: BaseException) -> bool:
     if isinstance(exc, PeerFailure):
         return True
-    from .. import fault_tolerance
+    from ..fault import fault_tolerance
     return bool(fault_tolerance.dead_in_world())
 
 

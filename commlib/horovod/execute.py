@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..primitives import allgather, allgather_v, allreduce, alltoall_v, broadcast, reduce_scatter
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .adasum import adasum_combine
 from .wire import inline_numpy_dtype
 

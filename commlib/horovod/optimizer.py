@@ -47,7 +47,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from .. import runtime
+from ..core import runtime
 from ..algorithms import registry
 from ..algorithms.base import Algorithm, Context
 from ..algorithms.buckets import Bucket, build

@@ -4,7 +4,9 @@
 :mod:`.lightning` to register the ``"commlib"`` strategy when ``lightning.pytorch`` (or
 ``pytorch_lightning``) is imported, and for :mod:`.accelerate` to prepare Accelerate's
 environment and patch it (the backend it records, averaging relaxed replicas before it
-saves) when ``accelerate`` is imported (now, for a framework already imported).
+saves) when ``accelerate`` is imported (now, for a framework already imported), and for
+the runner (:mod:`commlib.run`, which imports no integration) to prepare that environment
+at start when it is imported.
 
 * Lightning: ``Trainer(strategy="commlib")`` or
   ``Trainer(strategy=CommlibStrategy(algorithm="local_sgd", sync_every=4))``
@@ -27,6 +29,7 @@ HOOKS = {
     "lightning.pytorch.strategies": "lightning:register_lightning",
     "pytorch_lightning.strategies": "lightning:register_pytorch_lightning",
     "accelerate": "accelerate:install",
+    "commlib.run": "accelerate:prepare_with_runner",
 }
 _pending: dict[str, Callable[[], None]] = {}
 _finding = threading.local()

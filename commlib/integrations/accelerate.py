@@ -56,8 +56,8 @@ says more than one process; without it a CPU-only machine runs each process alon
 (``DistributedType.NO``). :func:`prepare_environment` sets ``ACCELERATE_USE_CPU=true`` when
 this process is one of several and torch has no accelerator (never on a GPU machine, never
 over a value the user set); commlib calls it (through :func:`install`) when ``accelerate``
-is imported after commlib (or at ``import commlib`` if it already was) and the runner calls
-it at start.
+is imported after commlib (or at ``import commlib`` if it already was), and the runner
+calls it at start (:func:`prepare_with_runner`).
 """
 from __future__ import annotations
 
@@ -74,6 +74,15 @@ def install() -> None:
     then :func:`patch`. Idempotent; local to this process."""
     prepare_environment()
     patch()
+
+
+def prepare_with_runner() -> None:
+    """What commlib does once :mod:`commlib.run` is imported: the runner's
+    :func:`~commlib.run.install` then calls :func:`prepare_environment` at start, before
+    the script imports Accelerate (idempotent)."""
+    from .. import run
+    if prepare_environment not in run.PREPARE:
+        run.PREPARE.append(prepare_environment)
 
 
 def patch() -> None:

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import runtime
-from ..errors import where
+from ..core import runtime
+from ..base.errors import where
 from ..primitives import Group, allreduce
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import where
+from ..base.errors import where
 from ..pipeline.executor import Pipeline
 from ..pipeline.partitioner import Partition, partition
-from ..reduce_ops import ReduceOp
-from ..topology import Topology
+from ..base.reduce_ops import ReduceOp
+from ..services.topology import Topology
 from .shard import shard_model
 
 

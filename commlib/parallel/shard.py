@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from .. import primitives
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 # modules acting elementwise: a column-sharded activation may pass through them unchanged

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..primitives import block_offsets, block_sizes
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .layers import _check, _group
 
 _REDUCTIONS = ("mean", "sum", "none")

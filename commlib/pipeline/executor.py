@@ -7,8 +7,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import primitives
-from ..errors import where
-from ..reduce_ops import ReduceOp
+from ..base.errors import where
+from ..base.reduce_ops import ReduceOp
 from .schedule import SCHEDULES, Action, generate
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
@@ -70,7 +70,7 @@ class Pipeline(torch.nn.Module):
                  chunks: int = 2, dp_group: Any = None, broadcast_weights: bool = True,
                  poll_s: float | None = None) -> None:
         super().__init__()
-        from ..runtime import init
+        from ..core.runtime import init
         init()
         self.group = group if group is not None else primitives.world()
         rank = self.group.rank

@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from .. import primitives
-from ..errors import where
-from ..reduce_ops import ReduceOp
+from ..base.errors import where
+from ..base.reduce_ops import ReduceOp
 from .trace import PREFIX, profile, trace
 
 BALANCES = ("time", "params")
@@ -160,7 +160,7 @@ def partition(model: torch.nn.Module, num_stages: int, example_inputs: Any,
 
 
 def _rank(group: Any) -> int:
-    from ..runtime import init
+    from ..core.runtime import init
     init()
     return (group if group is not None else primitives.world()).rank
 

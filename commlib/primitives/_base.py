@@ -9,13 +9,14 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import accounting, runtime
-from ..buffers import Buf
-from ..communicator import Communicator
-from ..dtypes import bf16_to_f32, f32_to_bf16
-from ..errors import CommError, where
-from ..options import options
-from ..reduce_ops import ReduceOp
+from ..base import accounting
+from ..core import runtime
+from ..base.buffers import Buf
+from ..core.communicator import Communicator
+from ..base.dtypes import bf16_to_f32, f32_to_bf16
+from ..base.errors import CommError, where
+from ..base.options import options
+from ..base.reduce_ops import ReduceOp
 from .work import Work
 
 
@@ -59,7 +60,7 @@ def call_blocking(comm: Communicator, op: str, what: Any, nbytes: int, fn: Calla
     under the same lock as its time (``accounting.record_timed``): the hot path of small
     collectives."""
     # comm.arm and comm.disarm written out: one thread id, no method calls (every
-    # collective comes through here; see commlib.watchdog for the entry's meaning)
+    # collective comes through here; see commlib.mpi.watchdog for the entry's meaning)
     armed = comm.watchdog.armed
     tid = get_ident()
     armed[tid] = (monotonic() + options.timeout, (op, comm.seq, what, comm))

@@ -5,9 +5,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import accounting
-from ..buffers import Buf, adapt, output
-from ..errors import CommError, where
+from ..base import accounting
+from ..base.buffers import Buf, adapt, output
+from ..base.errors import CommError, where
 from . import node_shm
 from ._base import after, blocking, out_of_place, resolve
 from .work import Work

@@ -5,11 +5,12 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import accounting, runtime
-from ..buffers import Buf, adapt
-from ..communicator import Communicator
-from ..options import options
-from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
+from ..base import accounting
+from ..core import runtime
+from ..base.buffers import Buf, adapt
+from ..core.communicator import Communicator
+from ..base.options import options
+from ..base.reduce_ops import ReduceOp, as_reduce_op, mpi_op
 from . import node_shm
 from ._base import call_blocking, finish_reduce, resolve
 from .work import Release, Reserve, Turn, Work
@@ -25,7 +26,7 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     """Reduce ``tensor`` over all ranks of ``group``, in place, on every rank.
 
     ``tensor``: numpy array, torch tensor (CPU or CUDA) or cupy array of any shape and of a
-    dtype MPI carries (see :mod:`commlib.dtypes`); every rank passes the same shape and
+    dtype MPI carries (see :mod:`commlib.base.dtypes`); every rank passes the same shape and
     dtype. ``op``: a :class:`ReduceOp` (AVG = SUM / group size, floating point only).
     ``hierarchical``: reduce inside each node, allreduce among node leaders, broadcast inside
     each node (same result as the flat algorithm up to floating-point summation order);

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import accounting
-from ..buffers import adapt, output
-from ..errors import where
+from ..base import accounting
+from ..base.buffers import adapt, output
+from ..base.errors import where
 from ._base import blocking, out_of_place, resolve
 
 

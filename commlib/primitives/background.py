@@ -12,11 +12,11 @@ two epochs is skipped everywhere, and a round applies its correction only on ran
 in the epoch of its snapshot, so no correction from before such a change lands after it.
 A round whose average is not finite (a NaN or Inf in some rank's tensor) is never
 applied: every rank sees the same average, so every rank ends the engine after that round
-with a :class:`~commlib.errors.NonFiniteError` naming the ranks, raised by :meth:`check`
+with a :class:`~commlib.base.errors.NonFiniteError` naming the ranks, raised by :meth:`check`
 and :meth:`stop`. When a callback raises on one rank, that rank says so in the next
 agreement: the engine ends on every rank (the others raise a
-:class:`~commlib.errors.CommError` naming it) instead of leaving them waiting for it. The
-engine registers with :mod:`commlib.shutdown`, so a script that
+:class:`~commlib.base.errors.CommError` naming it) instead of leaving them waiting for it. The
+engine registers with :mod:`commlib.mpi.shutdown`, so a script that
 ends without :meth:`stop` stops it before MPI is finalized. Needs ``MPI_THREAD_MULTIPLE``.
 """
 from __future__ import annotations
@@ -27,9 +27,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import runtime, shutdown
-from ..errors import CommError, NonFiniteError
-from ..reduce_ops import ReduceOp
+from ..core import runtime
+from ..mpi import shutdown
+from ..base.errors import CommError, NonFiniteError
+from ..base.reduce_ops import ReduceOp
 from .allreduce import allreduce
 from .finite import all_finite, nonfinite_ranks
 from .group import new_group
@@ -129,7 +130,7 @@ class BackgroundAverager:
             self.group.free()
 
     def stop_at_exit(self, deadline: float) -> bool:
-        """:mod:`commlib.shutdown`: stop as :meth:`stop` does, waiting until ``deadline``
+        """:mod:`commlib.mpi.shutdown`: stop as :meth:`stop` does, waiting until ``deadline``
         at most; True once the thread has ended. An error the thread met is printed."""
         self.release()
         self._stop.set()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import accounting
+from ..base import accounting
 from ._base import after, blocking, resolve
 from .work import Work
 

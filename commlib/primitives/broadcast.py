@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import accounting
-from ..buffers import adapt
+from ..base import accounting
+from ..base.buffers import adapt
 from . import node_shm
 from ._base import after, call_blocking, resolve
 from .work import Work

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import where
-from ..reduce_ops import ReduceOp, as_reduce_op
+from ..base.errors import where
+from ..base.reduce_ops import ReduceOp, as_reduce_op
 from ._base import resolve
 from .allgather import allgather
 from .finite import all_finite
@@ -308,7 +308,7 @@ def _zeros(like: Any, n: int) -> Any:
 def _xp(like: Any) -> Any:
     if isinstance(like, np.ndarray):
         return np
-    from .. import accelerator
+    from ..base import accelerator
     return accelerator.cupy()
 
 

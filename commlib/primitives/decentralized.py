@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import NonFiniteError, where
-from ..reduce_ops import ReduceOp
+from ..base.errors import NonFiniteError, where
+from ..base.reduce_ops import ReduceOp
 from ._base import resolve
 from .allreduce import allreduce
 from .p2p import sendrecv
@@ -90,7 +90,7 @@ def compressed_ring_exchange(tensor: Any, group: Any = None,
 
     A tensor with NaN or Inf still travels (as NaN chunks), so the exchange completes on
     both sides of every link; then this rank and its neighbours raise
-    :class:`~commlib.errors.NonFiniteError` (``.ranks``: the ring ranks whose tensors were
+    :class:`~commlib.base.errors.NonFiniteError` (``.ranks``: the ring ranks whose tensors were
     not finite) instead of returning anything."""
     from .. import kernels
     comm = resolve(group, "compressed_ring_exchange")

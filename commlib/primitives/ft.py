@@ -1,10 +1,10 @@
 """Shrinking and growing fault-tolerant groups (``COMMLIB_FAULT_TOLERANT=1``).
 
-:func:`shrink` is what a survivor calls after :class:`~commlib.errors.PeerFailure`: the
-survivors agree (:mod:`commlib.agreement`) on who is left and on a value each brings (the
+:func:`shrink` is what a survivor calls after :class:`~commlib.base.errors.PeerFailure`: the
+survivors agree (:mod:`commlib.fault.agreement`) on who is left and on a value each brings (the
 step it committed), then build their communicator with ``MPI_Comm_create_group`` over a
 control communicator, or ``MPI_Comm_create_from_group`` under ULFM
-(:meth:`commlib.ft_backend.Backend.create`; only survivors take part; on a helper thread,
+(:meth:`commlib.fault.ft_backend.Backend.create`; only survivors take part; on a helper thread,
 abandoned if another rank dies meanwhile, and the agreement runs again). A creation that
 neither ends nor fails within :func:`create_limit` is abandoned too and the survivors agree
 again and build it under a new name (once in ~250 Open MPI jobs under load every survivor's
@@ -19,12 +19,13 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import exits, fault_tolerance, runtime
-from ..agreement import Agreement, Decision
-from ..ft_backend import backend
-from ..communicator import Communicator
-from ..errors import CommError, PeerFailure, where
-from ..options import options
+from ..core import exits, runtime
+from ..fault import fault_tolerance
+from ..fault.agreement import Agreement, Decision
+from ..fault.ft_backend import backend
+from ..core.communicator import Communicator
+from ..base.errors import CommError, PeerFailure, where
+from ..base.options import options
 
 #: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
 CREATE_TAG_BASE = 1000

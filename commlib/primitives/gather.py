@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import accounting
-from ..buffers import adapt, output
+from ..base import accounting
+from ..base.buffers import adapt, output
 from ._base import after, blocking, resolve
 from .work import Work
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .. import runtime
-from ..communicator import Communicator
-from ..errors import where
-from ..reduce_ops import ReduceOp
+from ..core import runtime
+from ..core.communicator import Communicator
+from ..base.errors import where
+from ..base.reduce_ops import ReduceOp
 from .allgather import allgather, allgather_v
 from .allreduce import allreduce
 from .alltoall import alltoall, alltoall_v
@@ -190,20 +190,20 @@ def group_from_ranks(ranks: Sequence[int], parent: Group | None = None,
 def shrink(group: Group | None = None, value: Any = 0, timeout: float | None = None) -> Group:
     """Collective over the survivors of ``group`` (default: the world): the group of the
     members still alive, in the same order, on a new communicator (fault-tolerant mode,
-    ``COMMLIB_FAULT_TOLERANT=1``; see :mod:`commlib.fault_tolerance`).
+    ``COMMLIB_FAULT_TOLERANT=1``; see :mod:`commlib.fault.fault_tolerance`).
 
-    Call it on every survivor after :class:`~commlib.errors.PeerFailure` (a survivor that
+    Call it on every survivor after :class:`~commlib.base.errors.PeerFailure` (a survivor that
     has not seen the failure yet gets it in its next collective on any fault-tolerant
     group). ``value`` (any picklable, orderable value: e.g. the step each rank has
     committed) is agreed with the others: the returned group's ``agreement``
-    (:class:`commlib.agreement.Decision`) has every member's value and, the same on every
+    (:class:`commlib.fault.agreement.Decision`) has every member's value and, the same on every
     member, ``min``, ``max`` and ``holder`` (the first member holding ``max``). A rank that
     dies during the call makes the survivors agree again, without it. The world shrinks
     with it: when ``group`` is the world, ``commlib.world()``, ``get_rank()`` and
     ``get_world_size()`` describe the survivors' group afterwards (group ranks are ranks in
     the new group; the world ranks in ``group.ranks`` stay the job's). The old group's
     communicators are kept, never freed (MPI may still use them). Raises
-    :class:`~commlib.errors.CommError` after ``timeout`` seconds (default
+    :class:`~commlib.base.errors.CommError` after ``timeout`` seconds (default
     ``COMMLIB_TIMEOUT``) without an agreement. Fault-tolerant mode only.
     """
     from . import ft
@@ -241,7 +241,7 @@ def grow(n: int, group: Group | None = None, command: str | None = None,
     then on. The newcomers join in their own ``commlib.init()`` (there
     ``commlib.primitives.ft.joined`` is True) and must then take part in whatever the
     members do next, e.g. receive the training state (``commlib.elastic.run`` does both).
-    A failure meanwhile raises :class:`~commlib.errors.PeerFailure`. Not survived
+    A failure meanwhile raises :class:`~commlib.base.errors.PeerFailure`. Not survived
     afterwards: the death of a spawned rank (hydra's ``mpiexec`` fails an assertion), and a
     death seen only by the processes of the other MPI world (``MPIX_Comm_get_failed`` reads
     each world's own list)."""

@@ -66,7 +66,7 @@ Intel MPI likewise), so nothing is left there after a killed job.
 Fault-tolerant mode (``COMMLIB_FAULT_TOLERANT=1``): the window's communicator is a
 fault-tolerant one, so each barrier is an ``MPI_Ibarrier`` waited on with failure
 detection; a peer that dies mid-collective makes every survivor's next barrier raise
-:class:`~commlib.errors.PeerFailure` (no rank ever spins on a flag in memory). A dead
+:class:`~commlib.base.errors.PeerFailure` (no rank ever spins on a flag in memory). A dead
 peer's segment stays mapped (the kernel keeps the memory while any rank maps it), so the
 survivors' reads never fault; the window of a failed communicator is never freed
 (``MPI_Win_free`` is collective), like its communicators.
@@ -79,12 +79,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import accounting
-from ..buffers import Buf
-from ..communicator import Communicator
-from ..errors import CommError, where
-from ..options import options
-from ..reduce_ops import ReduceOp
+from ..base import accounting
+from ..base.buffers import Buf
+from ..core.communicator import Communicator
+from ..base.errors import CommError, where
+from ..base.options import options
+from ..base.reduce_ops import ReduceOp
 from . import shm_window
 from ._base import finish_reduce
 from .shm_reduce import Combine, combiner

@@ -5,10 +5,10 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import accounting
-from ..buffers import Buf, adapt
-from ..communicator import Communicator
-from ..errors import CommError, where
+from ..base import accounting
+from ..base.buffers import Buf, adapt
+from ..core.communicator import Communicator
+from ..base.errors import CommError, where
 from ._base import after, blocking, resolve
 from .work import Work
 

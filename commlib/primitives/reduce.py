@@ -5,10 +5,10 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import accounting
-from ..buffers import Buf, adapt
-from ..communicator import Communicator
-from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
+from ..base import accounting
+from ..base.buffers import Buf, adapt
+from ..core.communicator import Communicator
+from ..base.reduce_ops import ReduceOp, as_reduce_op, mpi_op
 from ._base import call_blocking, finish_reduce, resolve
 from .work import Work
 

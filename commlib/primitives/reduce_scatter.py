@@ -9,9 +9,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from .. import accounting
-from ..buffers import Buf, adapt, output
-from ..reduce_ops import ReduceOp, as_reduce_op, mpi_op
+from ..base import accounting
+from ..base.buffers import Buf, adapt, output
+from ..base.reduce_ops import ReduceOp, as_reduce_op, mpi_op
 from . import node_shm
 from ._base import blocking, finish_reduce, resolve
 from .work import Work

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import accounting
-from ..buffers import adapt
-from ..errors import where
+from ..base import accounting
+from ..base.buffers import adapt
+from ..base.errors import where
 from ._base import after, blocking, resolve
 from .work import Work
 

@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..dtypes import DType, f32_to_bf16
-from ..reduce_ops import ReduceOp
+from ..base.dtypes import DType, f32_to_bf16
+from ..base.reduce_ops import ReduceOp
 
 
 _LOGICAL = {ReduceOp.SUM: np.logical_or, ReduceOp.MAX: np.logical_or,
@@ -28,7 +28,7 @@ _combiners: dict[tuple[ReduceOp, str], Combine] = {}
 def combiner(op: ReduceOp, dt: DType) -> Combine:
     """``combine(dst, srcs)``: ``dst[...] = srcs[0] op srcs[1] op ... op srcs[-1]``, left
     to right (rank order); ``dst`` may be ``srcs[0]`` itself, no other source. ``op`` must
-    be valid for ``dt`` (``commlib.reduce_ops.mpi_op`` checked it)."""
+    be valid for ``dt`` (``commlib.base.reduce_ops.mpi_op`` checked it)."""
     key = (op, dt.name)
     found = _combiners.get(key)
     if found is None:

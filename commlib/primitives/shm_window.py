@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import exits
-from ..communicator import Communicator
-from ..options import options
+from ..core import exits
+from ..core.communicator import Communicator
+from ..base.options import options
 
 
 class NodeWindow:
@@ -87,7 +87,7 @@ class NodeWindow:
             self.leaders.Free()
 
 
-#: Windows of communicators freed while this rank was leaving (:func:`commlib.exits.leaving`)
+#: Windows of communicators freed while this rank was leaving (:func:`commlib.core.exits.leaving`)
 #: or failed: never freed (``MPI_Win_free`` is collective), kept referenced until the end.
 RETIRED: list["NodeWindow"] = []
 
@@ -146,7 +146,7 @@ def _make(comm: Communicator, local: Communicator, leaders: Communicator | None,
     info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's pages
     try:
         if options.fault_tolerant:
-            from ..fault_tolerance import in_thread
+            from ..fault.fault_tolerance import in_thread
             win = in_thread(shared, "Win_allocate_shared", MPI.Win.Allocate_shared,
                             2 * half, 1, info, shared)
         else:

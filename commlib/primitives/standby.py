@@ -16,9 +16,10 @@ from typing import Any, Callable, Iterable
 
 from mpi4py import MPI
 
-from .. import exits, fault_tolerance
-from ..errors import CommError, where
-from ..ft_backend import iprobe_any, isend, sent
+from ..core import exits
+from ..fault import fault_tolerance
+from ..base.errors import CommError, where
+from ..fault.ft_backend import iprobe_any, isend, sent
 from . import ft
 
 #: Tag of the standby messages on the control communicator.

@@ -7,8 +7,8 @@ from typing import Any, Generator, Iterator
 
 from mpi4py import MPI
 
-from .. import accounting
-from ..communicator import Communicator
+from ..base import accounting
+from ..core.communicator import Communicator
 
 # A stage generator yields MPI requests one after the other (a chain such as the three
 # steps of a hierarchical allreduce) and returns the operation's result. Each ``yield``
@@ -226,7 +226,7 @@ class Work:
     def abandon(self) -> None:
         """Give up on this operation (a timeout): it stays pending in MPI, which may still
         complete it, so its buffers stay alive and its communicator is never freed while it
-        is unfinished (:meth:`commlib.communicator.Communicator.abandon`)."""
+        is unfinished (:meth:`commlib.core.communicator.Communicator.abandon`)."""
         if not self._done:
             self._comm.abandon(self)
 

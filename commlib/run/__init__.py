@@ -30,13 +30,19 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .config import BACKENDS, Config, check_backend, parse_algorithm_config
 
 USAGE = ("usage: python -m commlib [--algorithm NAME] [--algorithm-config JSON] "
          "[--backend commlib|gloo] [--no-sync-points] [--verbose] "
          "(script.py | -m module) [args ...]")
+
+
+#: What :func:`install` calls last: the frameworks' preparations, added by the layer that
+#: knows them (:mod:`commlib.integrations` adds Accelerate's environment when this module
+#: is imported); the runner itself imports no integration.
+PREPARE: list[Callable[[], object]] = []
 
 
 class UsageError(ValueError):
@@ -110,8 +116,8 @@ def install(config: Config | None = None) -> Config:
     check_algorithm(config)
     config.export()
     patch.install(config)
-    from ..integrations import accelerate
-    accelerate.prepare_environment()
+    for prepare in PREPARE:
+        prepare()
     return config
 
 

@@ -91,7 +91,7 @@ def sync_point(reason: str, wrappers: list[Any] | None = None) -> None:
     averaged = [average(d) for d in wrappers] if _state["enabled"] else [False] * len(wrappers)
     _state["count"] += 1
     if _state["verbose"] and wrappers:
-        from .. import runtime
+        from ..core import runtime
         parts = [f"{type(d.module).__name__}[{d.algorithm.name}]"
                  f"{' averaged' if a else ''} sha256={checksum(d.module)}"
                  for d, a in zip(wrappers, averaged)]
@@ -106,7 +106,7 @@ def end_of_training(clean: bool, reason: str = "end of training",
     wrappers, average (collective over every rank that ever tracked a wrapper).
 
     A rank that got here uncleanly (a non-zero exit) runs no collective at all: the others
-    may still be training, and the exit agreement (:mod:`commlib.exits`) ends the job within
+    may still be training, and the exit agreement (:mod:`commlib.core.exits`) ends the job within
     ``COMMLIB_EXIT_WINDOW``; a rank waiting here for it is ended the same way. ``leaving``
     (the runner's end of script): first tell the other ranks that this one is leaving, so
     that a rank still training, whose next collective this one will never join, ends the
@@ -114,12 +114,12 @@ def end_of_training(clean: bool, reason: str = "end of training",
     if not _state["ever"] or not clean:
         return
     if leaving:
-        from .. import exits
+        from ..core import exits
         exits.announce_exit()
     import numpy as np
 
     from ..primitives import allreduce
-    from ..reduce_ops import ReduceOp
+    from ..base.reduce_ops import ReduceOp
     wrappers = live()
     agreed = np.array([len(wrappers), -len(wrappers)], dtype=np.int64)
     allreduce(agreed, ReduceOp.MIN)

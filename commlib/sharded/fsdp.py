@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import runtime
+from ..core import runtime
 from ..ddp.engine import Engine
 from ..primitives import allgather, new_group
 from . import nesting

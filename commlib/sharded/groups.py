@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import runtime
+from ..core import runtime
 
 
 def resolve_group(group: Any, who: str) -> Any:

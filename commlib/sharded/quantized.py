@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..options import options
+from ..base.options import options
 from ..primitives import allgather, alltoall, group_from_ranks, reduce_scatter
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 
 #: elements per quantization block (DeepSpeed's ZeRO++ default group size is 2048 too)
 DEFAULT_BLOCK = 2048

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..primitives import allgather, allreduce, reduce_scatter
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .chunks import Chunk
 from .quantized import hierarchical_reduce_scatter, quantized_reduce_scatter, start_allgather
 

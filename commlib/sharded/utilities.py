@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..primitives import allgather, allreduce, broadcast
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import state as _state
 from .chunks import Chunk
 from .config import ShardingStrategy

@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .. import runtime
+from ..core import runtime
 from ..ddp.engine import Engine
 from ..primitives import allgather, allreduce, broadcast, new_group, reduce_scatter
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import flat_partition as fp
 from . import zero_state
 from .groups import resolve_group, wait_poll_s

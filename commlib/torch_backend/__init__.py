@@ -5,7 +5,7 @@ torch's collectives, point-to-point operations and everything built on them (tor
 ``DistributedDataParallel``, ``ZeroRedundancyOptimizer``, ``all_gather_object``...) on
 commlib's MPI collectives. The backend is registered as soon as both commlib and torch are
 imported, in either order (:mod:`.hook`); under ``mpiexec`` commlib also sets the
-``env://`` rendezvous variables at import (:mod:`commlib.mpi_env`).
+``env://`` rendezvous variables at import (:mod:`commlib.mpi.mpi_env`).
 
 Modules: :mod:`.hook` (registration when torch gets imported; imports no torch),
 :mod:`.registration` (the creator torch calls), :mod:`.process_group` (collectives),

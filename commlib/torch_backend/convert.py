@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CommError
-from ..reduce_ops import ReduceOp
+from ..base.errors import CommError
+from ..base.reduce_ops import ReduceOp
 
 _T = dist.ReduceOp.RedOpType
 _OPS = {_T.SUM: ReduceOp.SUM, _T.AVG: ReduceOp.AVG, _T.PRODUCT: ReduceOp.PRODUCT,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..options import options
+from ..base.options import options
 from .convert import where
 
 #: Operations given up on: MPI may still read or write their buffers, so they are never

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import primitives as P
-from ..options import options
+from ..base.options import options
 from ..primitives import Group
 from . import monitored, p2p, profiling, progress
 from .convert import (as_list, check_count, check_list, dense, flatten, one, overlaps,

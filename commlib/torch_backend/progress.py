@@ -28,7 +28,8 @@ from torch._C._distributed_c10d import Work
 
 import torch.distributed as dist
 
-from .. import runtime, shutdown
+from ..core import runtime
+from ..mpi import shutdown
 from ..primitives import Work as CommlibPending
 from .convert import where
 from .deadlines import GroupDeadlines, seconds
@@ -171,7 +172,7 @@ class _Progress:
         return True
 
     def stop_at_exit(self, deadline: float) -> bool:
-        """For :mod:`commlib.shutdown`: stopped before MPI finalizes, bounded."""
+        """For :mod:`commlib.mpi.shutdown`: stopped before MPI finalizes, bounded."""
         return self.stop(max(0.0, deadline - time.monotonic()))
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import primitives as P
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from . import profiling, sparse
 from .convert import (as_list, check_count, check_list, dense, divide_truncating, flatten,
                       integer_average, one, overlaps, reduce_op, unflatten)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from .. import primitives as P
-from ..reduce_ops import ReduceOp
+from ..base.reduce_ops import ReduceOp
 from .convert import unsupported, where
 
 #: dtypes by code, for the header exchange (every dtype commlib carries)

@@ -10,7 +10,7 @@ running until the interpreter tears the module down during finalization, where t
 destruction now and then aborts the process ("terminate called without an active
 exception", exit status 134): 1 in 19 runs of the tutorial script at 3 ranks under load.
 
-:class:`StaleGroupReleaser` is registered with :mod:`commlib.shutdown` when the backend is
+:class:`StaleGroupReleaser` is registered with :mod:`commlib.mpi.shutdown` when the backend is
 registered; at exit (before MPI is finalized, while the interpreter is whole) it replaces
 every such captured group that torch no longer knows (destroyed, or never initialized any
 more) by ``None`` in the defaults of torch's module-level functions and of the methods of
@@ -86,7 +86,7 @@ def _release_in(module: types.ModuleType, stale: Any) -> int:
 
 
 class StaleGroupReleaser:
-    """The :mod:`commlib.shutdown` participant that runs :func:`release_stale_groups`."""
+    """The :mod:`commlib.mpi.shutdown` participant that runs :func:`release_stale_groups`."""
 
     def stop_at_exit(self, deadline: float) -> bool:
         release_stale_groups()
@@ -96,5 +96,5 @@ class StaleGroupReleaser:
         return "StaleGroupReleaser()"
 
 
-#: The one instance (``commlib.shutdown`` holds objects weakly).
+#: The one instance (``commlib.mpi.shutdown`` holds objects weakly).
 RELEASER = StaleGroupReleaser()

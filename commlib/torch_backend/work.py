@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch._C._distributed_c10d import Work
 
-from .. import shutdown
+from ..mpi import shutdown
 from ..primitives import Work as CommlibPending
 from . import profiling
 from .deadlines import GroupDeadlines, seconds
@@ -187,7 +187,7 @@ def settle(grace_s: float = 2.0) -> int:
 
 
 class _Settler:
-    """For :mod:`commlib.shutdown`: point-to-point handles settled before MPI finalizes
+    """For :mod:`commlib.mpi.shutdown`: point-to-point handles settled before MPI finalizes
     (cancelled ones keep their buffers alive, so nothing is left running)."""
 
     def stop_at_exit(self, deadline: float) -> bool:

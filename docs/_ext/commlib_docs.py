@@ -5,7 +5,7 @@ Directives (their output is built when the site is, so it cannot drift from the 
 
 ``.. commlib-options::``
     the table of :data:`commlib.options` (name, environment variable, default, meaning),
-    read from ``commlib.options._FIELDS``, plus the runner's and the launcher's variables.
+    read from ``commlib.base.options._FIELDS``, plus the runner's and the launcher's variables.
 ``.. commlib-cli:: MODULE``
     ``python -m MODULE --help``, run at build time.
 ``.. commlib-benchmarks::``
@@ -75,8 +75,8 @@ class OptionsDirective(SphinxDirective):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        options_module = importlib.import_module("commlib.options")
-        environment = importlib.import_module("commlib.launch.environment")
+        options_module = importlib.import_module("commlib.base.options")
+        environment = importlib.import_module("commlib.mpi.launch.environment")
         self.env.note_dependency(options_module.__file__)
         rows = []
         for name, (_parse, default, var, doc) in options_module._FIELDS.items():
@@ -86,7 +86,7 @@ class OptionsDirective(SphinxDirective):
         text += ("\nRead by the runner (``python -m commlib``, :class:`commlib.run.Config`), "
                  "not by :data:`commlib.options`: "
                  + ", ".join(f"``{v}``" for v in options_module.RUNNER_VARIABLES) + ".\n")
-        text += ("\nRead by the launch layer before MPI starts (:mod:`commlib.launch`): "
+        text += ("\nRead by the launch layer before MPI starts (:mod:`commlib.mpi.launch`): "
                  + ", ".join(f"``{v}``" for v in environment.VARIABLES) + ".\n")
         return _parse_rst(self, text)
 
@@ -527,7 +527,7 @@ def resolve_internal(app: Any, env: Any, node: Any, contnode: Any) -> Any:
         candidates.append(f"{module}.{target}")
         if cls:
             candidates.append(f"{module}.{cls}.{target}")
-        # a name relative to a parent package (``:mod:`openmpi``` inside commlib.mpi_impl)
+        # a name relative to a parent package (``:mod:`openmpi``` inside commlib.mpi.mpi_impl)
         parts = module.split(".")
         for i in range(len(parts) - 1, 0, -1):
             candidates.append(".".join(parts[:i]) + "." + target)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import NonFiniteError
+from ...base.errors import NonFiniteError
 from ...primitives import allgather_v, allreduce
 from ...primitives.finite import all_finite
-from ...reduce_ops import ReduceOp
+from ...base.reduce_ops import ReduceOp
 from .. import state
 from ..base import Context
 from ..buckets import build

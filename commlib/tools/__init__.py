@@ -1,0 +1,2 @@
+"""Command-line tools: ``commlib-info`` (:mod:`.info`) and ``commlib-selftest``
+(:mod:`.selftest`)."""
