@@ -33,6 +33,7 @@ MARGIN=${MARGIN:-1.05}             # a job starts if used + longest job x this f
 ALGORITHMS=${ALGORITHMS:-gradient_allreduce,bytegrad,local_sgd,async_model_average,diloco,streaming_diloco,powersgd,torch_ddp_gloo}
 DELAY_MS=${DELAY_MS:-0.5}           # one way (netem, or the TUN delay line without it)
 PIN=${PIN:-auto}                   # one core per rank where the machine has one (2x1)
+TIMEOUT=${TIMEOUT:-900}            # one job (every contender of one shape, rate and seed), s
 OUT=${OUT:-benchmarks/results}
 README=${README-benchmarks/README.md}
 MARKER=${MARKER:-tta-gpt}          # the README section: tta-gpt-2x1 for the 2x1 grid
@@ -53,4 +54,4 @@ exec flock /tmp/commlib-bench.lock "$PYTHON" benchmarks/bench_time_to_accuracy_g
     ${RESUME:+--resume} \
     -- --gpt-size "$SIZE" --epochs "$EPOCHS" --gpt-steps-per-epoch "$STEPS_PER_EPOCH" \
     --batch "$BATCH" --gpt-lr "$LR" --eval-every "$EVAL_EVERY" --gpt-eval-windows "$EVAL_WINDOWS" --algorithms "$ALGORITHMS" \
-    --delay-ms "$DELAY_MS" --pin "$PIN" --timeout 900
+    --delay-ms "$DELAY_MS" --pin "$PIN" --timeout "$TIMEOUT"
