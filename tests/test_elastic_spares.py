@@ -15,7 +15,9 @@ is passed over, the second spare joins); a spare SIGKILLed at each point of its 
 (3+2: the survivors, and the spare where it is already a member of the merged group,
 recover again and the second spare joins; 3+1: the only spare dies half way through the
 state: the survivors go on at reduced strength, exact against the run shrunk at the agreed
-step); ``spares`` larger than the job refused on every rank. (Passed by hand on Open MPI with ``--with-ft ulfm`` and on Intel MPI too, 2026-12-05;
+step); the spare used up, then a second trainer killed: with ``replace=True`` a replacement
+is spawned (3+1: back at 3 ranks, exact); ``spares`` larger than the job refused on every
+rank. (Passed by hand on Open MPI with ``--with-ft ulfm`` and on Intel MPI too, 2026-12-05;
 tests/run_all.sh runs it on MPICH only.) Negative control: a joining spare that keeps its
 own model instead of the state it received (``--skip-spare-state``): the check must see the
 difference.
@@ -27,7 +29,7 @@ import json
 import numpy as np
 import pytest
 
-from elastic_common import TRAIN_PROGRAM, leftover_shm, params, results, run_job
+from elastic_common import TRAIN_PROGRAM, leftover_shm, params, rank_hosts, results, run_job
 from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
 from helpers import mpi_impl, serial_only
 
@@ -57,9 +59,9 @@ def reference(tmp_path_factory) -> dict[int, dict]:
     return found
 
 
-def job(tmp_path, n: int, *argv: str) -> tuple[int, str, dict[int, dict]]:
+def job(tmp_path, n: int, *argv: str, **env: str) -> tuple[int, str, dict[int, dict]]:
     status, _, out, left = run_job(n, [TRAIN_PROGRAM, str(tmp_path), "--steps", str(STEPS),
-                                       *argv], OUTER_S, COMMLIB_TIMEOUT="60")
+                                       *argv], OUTER_S, COMMLIB_TIMEOUT="60", **env)
     assert status != -9, f"hang (killed after {OUTER_S} s)\n{out[-3000:]}"
     assert not left, f"processes {left} of the job were left running\n{out[-2000:]}"
     assert not leftover_shm(str(tmp_path)), f"left {leftover_shm(str(tmp_path))} in /dev/shm"
@@ -193,6 +195,29 @@ def test_the_last_spare_dies_while_it_joins(tmp_path, tmp_path_factory):
         assert r["ledger"] == ref[0]["ledger"], (rank, r["ledger"])
         assert np.array_equal(params(r), params(ref[0])), f"rank {rank} differs"
         assert any(3 in x.get("failed", ()) for x in r["recoveries"]), r["recoveries"]
+
+
+def test_a_replacement_is_spawned_once_the_spares_are_used_up(tmp_path, reference):
+    """3+1 with ``replace=True``: trainer 0 SIGKILLed at step 8 (spare 3 joins: [1, 2,
+    3]), then trainer 1 at step 16: no spare is left, so the survivors [2, 3] spawn a
+    replacement on rank 1's host and send it the state: back at 3, exact (every step
+    applied by 3 ranks). The replacement writes its results as rank 0 (the smallest number
+    no survivor has). This hung before in 3 of 4 runs: a spawn right after a death
+    (``commlib.primitives.ft.SPAWN_SETTLE_S``)."""
+    refusal = mpi_impl().spawn_refusal
+    if refusal:
+        pytest.skip(f"replacements refused: {refusal}")
+    status, out, found = job(tmp_path, 4, "--fault", "kill", "--victims", "0,1", "--at",
+                             "8,16", "--spares", "1", "--replace",
+                             ELASTIC_HOSTS=rank_hosts(4))
+    check(found, [0, 2, 3], reference, status, out)
+    for rank in (2, 3):
+        recs = found[rank]["recoveries"]
+        assert merges(found[rank]) == [([1, 2, 3], [3])], recs
+        assert [x["failed"] for x in recs if "failed" in x][-1] == [1], recs
+    for rank in (0, 2, 3):  # (in the grown world, ranks 0..2: survivors 2, 3, the new one)
+        grown = [x for x in found[rank]["recoveries"] if x.get("grown")]
+        assert len(grown) == 1 and grown[0]["size"] == 3, found[rank]["recoveries"]
 
 
 def test_the_check_sees_a_spare_without_the_state(tmp_path, reference):

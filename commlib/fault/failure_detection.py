@@ -143,6 +143,7 @@ class Watcher:
         self.det_map: dict[int, int] | None = None  # detector rank -> base rank (None: same)
         self.epoch = 0
         self.raw_dead: set[int] = set()  # as the detectors report them
+        self.changed_at = 0.0  # time.monotonic() of the last death seen
         self._thread = threading.Thread(target=self._run, name="commlib-ft", daemon=True)
         self._thread.start()
 
@@ -174,6 +175,7 @@ class Watcher:
 
         with self.lock:
             self.dead = dead = self.dead | frozenset(found)
+            self.changed_at = time.monotonic()
             for key, (box, comm) in list(self.waiting.items()):
                 if dead - comm.known_dead:
                     del self.waiting[key]
