@@ -17,7 +17,8 @@ recover again and the second spare joins; 3+1: the only spare dies half way thro
 state: the survivors go on at reduced strength, exact against the run shrunk at the agreed
 step); the spare used up, then a second trainer killed: with ``replace=True`` a replacement
 is spawned (3+1: back at 3 ranks, exact); ``spares`` larger than the job refused on every
-rank. (Passed by hand on Open MPI with ``--with-ft ulfm`` and on Intel MPI too, 2026-12-05;
+rank; in the store-backed world (``commlib.mpi.launch``, rank 0 hosting the store), a
+spare replaces a killed trainer (3+1, exact). (Passed by hand on Open MPI with ``--with-ft ulfm`` and on Intel MPI too, 2026-12-05;
 tests/run_all.sh runs it on MPICH only.) Negative control: a joining spare that keeps its
 own model instead of the state it received (``--skip-spare-state``): the check must see the
 difference.
@@ -29,9 +30,10 @@ import json
 import numpy as np
 import pytest
 
-from elastic_common import TRAIN_PROGRAM, leftover_shm, params, rank_hosts, results, run_job
+from elastic_common import (TRAIN_PROGRAM, leftover_shm, params, rank_hosts, results,
+                            run_job, run_store_job)
 from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
-from helpers import mpi_impl, serial_only
+from helpers import mpi_impl, requires_store_world, serial_only
 
 STEPS = 30
 OUTER_S = 120
@@ -218,6 +220,24 @@ def test_a_replacement_is_spawned_once_the_spares_are_used_up(tmp_path, referenc
     for rank in (0, 2, 3):  # (in the grown world, ranks 0..2: survivors 2, 3, the new one)
         grown = [x for x in found[rank]["recoveries"] if x.get("grown")]
         assert len(grown) == 1 and grown[0]["size"] == 3, found[rank]["recoveries"]
+
+
+@requires_store_world
+def test_a_spare_replaces_a_killed_trainer_in_the_store_backed_world(tmp_path, reference):
+    """3+1 started as a Kubernetes job would (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``;
+    rank 0 hosts the store, ``commlib.mpi.launch``): trainer 2 SIGKILLed at step 12, spare
+    3 joins ([0, 1, 3]), exact against the same 3-rank reference (the store-backed world's
+    4-rank MPICH layout adds the same pairs, see test_elastic_store)."""
+    codes, _, out, left = run_store_job(4, [TRAIN_PROGRAM, str(tmp_path), "--steps",
+                                            str(STEPS), "--fault", "kill", "--victims", "2",
+                                            "--at", "12", "--spares", "1"], OUTER_S,
+                                        COMMLIB_TIMEOUT="60", COMMLIB_FAULT_TOLERANT="1")
+    assert codes == [0, 0, -9, 0] and not left, (codes, out[-3000:])
+    assert not leftover_shm(str(tmp_path)), leftover_shm(str(tmp_path))
+    found = results(str(tmp_path))
+    check(found, [0, 1, 3], reference, 0, out, expected={})
+    for rank, r in found.items():
+        assert merges(r) == [([0, 1, 3], [3])], (rank, r["recoveries"])
 
 
 def test_the_check_sees_a_spare_without_the_state(tmp_path, reference):
