@@ -16,16 +16,17 @@ import os
 import socket
 import statistics
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
 import commlib  # noqa: E402
 from commlib.algorithms.buckets import build  # noqa: E402
-import _common as C  # noqa: E402
 from models import WideMLP, resnet18_shapes  # noqa: E402
 
 

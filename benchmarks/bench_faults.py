@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  failed run: status {r['status']}: {r['tail'][-400:]}")
     if args.spares and not args.skip_recovery:
         report["idle_spares"] = []
-        print(f"\n| ranks | model | spares | trainers' step (s) | idle spare's CPU share |")
+        print("\n| ranks | model | spares | trainers' step (s) | idle spare's CPU share |")
         print("|---|---|---|---|---|")
         for n in [int(v) for v in args.ranks.split(",")]:
             for model in args.models.split(","):

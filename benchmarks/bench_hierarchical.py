@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -48,6 +48,7 @@ NODE_LOCAL_OPS = ("reduce", "broadcast")  # hierarchical: the node steps; the re
 
 def _slowest(value: float) -> float:
     import numpy as np
+
     import commlib
     return float(commlib.allreduce(np.array([value]), op="max")[0])
 
@@ -60,6 +61,7 @@ def _bytes(snapshot: dict[str, dict[str, Any]], calls: int) -> dict[str, float]:
 
 def time_allreduce(nbytes: int, hierarchical: bool, budget_s: float) -> dict[str, Any]:
     import numpy as np
+
     import commlib
     x = np.ones(max(1, nbytes // 4), dtype=np.float32)
 
@@ -79,6 +81,7 @@ def time_training(name: str, hierarchical: bool, args: argparse.Namespace) -> di
     import numpy as np
     import torch
     import torch.nn.functional as F
+
     import commlib
     from models import WideMLP
     kwargs, kind = ALGORITHMS[name]
@@ -120,6 +123,7 @@ def _allreduce_bytes(nbytes: int, hierarchical: bool) -> dict[str, float]:
     """Bus bytes of one allreduce call of ``nbytes`` (counted in a separate call so the
     timing's own max-reductions are not in it)."""
     import numpy as np
+
     import commlib
     x = np.ones(max(1, nbytes // 4), dtype=np.float32)
     commlib.barrier()
@@ -130,9 +134,10 @@ def _allreduce_bytes(nbytes: int, hierarchical: bool) -> dict[str, float]:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
+    from mpi4py import MPI
+
     import commlib
     from commlib.mpi.mpi_env import _node
-    from mpi4py import MPI
     commlib.init()
     torch.set_num_threads(1)
     if args.chunk_bytes is not None:  # the pipelined hierarchical allreduce's chunk size

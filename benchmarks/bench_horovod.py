@@ -89,6 +89,7 @@ def worker(args: argparse.Namespace) -> None:
         ddp = commlib.DistributedDataParallel(small_cnn(args.width))
         steps["commlib DDP"] = step_of(ddp, sgd(ddp))
         import socket
+
         import numpy as np
         import torch.distributed as dist
         port = np.array([0])

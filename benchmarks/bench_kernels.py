@@ -17,8 +17,8 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numba
 import numpy as np

@@ -22,7 +22,8 @@ import shutil
 import statistics
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -57,6 +58,7 @@ def _measure(make: Callable[[], tuple[Any, Any, Callable[[], None]]],
     The mean counts the communicating steps of periodic algorithms (local_sgd), which the
     median hides."""
     import numpy as np
+
     import commlib
     model, closer, step = make()
     commlib.barrier()
@@ -78,6 +80,7 @@ def _measure(make: Callable[[], tuple[Any, Any, Callable[[], None]]],
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
+
     import commlib
     from bench_ddp import init_gloo
     from models import WideMLP

@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -59,9 +58,9 @@ def compare(sync: Any, patched: Callable[[], Any], plain: Callable[[], Any], rep
 def collectives(sync: Any, sizes: list[int], reps: int, block_s: float) -> list[dict]:
     import torch
 
+    from commlib.base.reduce_ops import ReduceOp
     from commlib.primitives import CompressionState, allreduce, compressed_allreduce
     from commlib.primitives.finite import all_finite
-    from commlib.base.reduce_ops import ReduceOp
     rows = []
     rank = sync.Get_rank()
     for n in sizes:
@@ -95,8 +94,8 @@ def qadam_step(sync: Any, args: argparse.Namespace) -> dict:
 
     import commlib
     from commlib.algorithms.qadam import QAdam, QAdamOptimizer
-    from commlib.primitives import compressed_allreduce
     from commlib.base.reduce_ops import ReduceOp
+    from commlib.primitives import compressed_allreduce
     from models import WideMLP
 
     class PlainQAdam(QAdam):

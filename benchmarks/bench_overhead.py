@@ -22,8 +22,9 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -94,8 +95,9 @@ def summarize(old_glob: str, new_glob: str, out: Path | None) -> None:
 
 
 def contenders(count: int, use_torch: bool, raw: Any) -> dict[str, Callable[[], Any]]:
-    import commlib
     from mpi4py import MPI
+
+    import commlib
     arr = np.zeros(count, np.float32)
     msg = [arr, count, MPI.FLOAT]
     fns: dict[str, Callable[[], Any]] = {
@@ -117,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         summarize(*args.summarize, args.json)
         return 0
-    import commlib
     from mpi4py import MPI
+
+    import commlib
     commlib.init()
     use_torch = not args.no_torch
     if use_torch:

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import commlib  # noqa: E402
 import _common as C  # noqa: E402
+import commlib  # noqa: E402
 
 WIDTH, ROWS = 64, 8  # activation of one micro-batch: ROWS x WIDTH float32
 

@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
+import _common as C  # noqa: E402
 import commlib  # noqa: E402
 import commlib.mpi.mpi_impl  # noqa: E402
-import _common as C  # noqa: E402
 import gpt  # noqa: E402
 
 

@@ -42,11 +42,23 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common as C  # noqa: E402
-from bench_time_to_accuracy_contenders import (CONTENDERS, CONTROL,  # noqa: E402
-                                               DEFAULT_ALGORITHMS, DESIGN, PEER, SYNC,
-                                               parse_set)
-from bench_time_to_accuracy_report import (headline_markdown, markdown, plot,  # noqa: E402
-                                           report, score, summarize)
+from bench_time_to_accuracy_contenders import (  # noqa: E402
+    CONTENDERS,
+    CONTROL,
+    DEFAULT_ALGORITHMS,
+    DESIGN,
+    PEER,
+    SYNC,
+    parse_set,
+)
+from bench_time_to_accuracy_report import (  # noqa: E402
+    headline_markdown,
+    markdown,
+    plot,
+    report,
+    score,
+    summarize,
+)
 from bench_time_to_accuracy_worker import worker  # noqa: E402
 
 # the module's parts: bench_time_to_accuracy_contenders (who trains with what),

@@ -11,6 +11,7 @@ from typing import Any
 import _common as C
 from bench_time_to_accuracy_contenders import CONTROL, PEER, PEERS, SYNC, design
 
+
 def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
     """Wall time of the first evaluation whose worst replica is at or above ``target``."""
     for point in curve:

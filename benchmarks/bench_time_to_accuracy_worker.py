@@ -14,6 +14,7 @@ from typing import Any
 
 from bench_time_to_accuracy_contenders import CONTROL, PEER_PSGD, PEERS, contender
 
+
 def powersgd_elements(module: Any, rank: int, min_rate: float = 2.0) -> int:
     """Elements PowerSGD moves per compressed step (torch's rule: P and Q of each matrix
     worth compressing, every other tensor whole)."""
@@ -178,8 +179,10 @@ def _gloo(rank: int) -> Any:
     """torch.distributed over gloo at rank 0's address (commlib publishes it as
     MASTER_ADDR/MASTER_PORT; on an emulated cluster it is node 0's link address)."""
     import socket
+
     import numpy as np
     import torch.distributed as dist
+
     import commlib
     if dist.is_initialized():
         return dist
@@ -209,6 +212,7 @@ def _gloo(rank: int) -> Any:
 def _make(name: str, args: argparse.Namespace, module: Any, kwargs: dict) -> tuple[Any, Any]:
     """(the model to train, the commlib wrapper or None) for contender ``name``."""
     import torch
+
     import commlib
     algorithm = contender(name, args.model, args.set)[0]
     if algorithm is not None:
@@ -224,7 +228,7 @@ def _make(name: str, args: argparse.Namespace, module: Any, kwargs: dict) -> tup
     return module, None     # the control: every rank alone
 
 
-def _optimizer(opt_kind: str, args: argparse.Namespace, model: Any, data: "Data") -> Any:
+def _optimizer(opt_kind: str, args: argparse.Namespace, model: Any, data: Data) -> Any:
     import torch
     base = (args.gpt_lr if data.gpt else args.lr) / (10 if opt_kind == "qadam" else 1)
     if opt_kind == "qadam":
@@ -240,7 +244,7 @@ def _optimizer(opt_kind: str, args: argparse.Namespace, model: Any, data: "Data"
     return torch.optim.SGD(model.parameters(), lr=base, momentum=0.9)
 
 
-def warm_up(name: str, args: argparse.Namespace, data: "Data") -> None:
+def warm_up(name: str, args: argparse.Namespace, data: Data) -> None:
     """Three untimed steps of ``name`` on a throwaway model: JIT-compiled kernels, gloo's
     connections and workspaces are made here, not inside the timed run."""
     import commlib
@@ -260,10 +264,11 @@ def warm_up(name: str, args: argparse.Namespace, data: "Data") -> None:
     commlib.barrier()
 
 
-def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
+def run_contender(name: str, args: argparse.Namespace, data: Data) -> dict:
     """Train ``name`` from scratch; the curve and the summary (same on every rank)."""
     import numpy as np
     import torch
+
     import commlib
     from commlib.base import accounting
 
@@ -369,6 +374,7 @@ def run_contender(name: str, args: argparse.Namespace, data: "Data") -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
+
     import commlib
     commlib.init()
     torch.set_num_threads(1)

@@ -20,12 +20,13 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import commlib  # noqa: E402  (before torch.distributed use: sets the env:// variables)
 import _common as C  # noqa: E402
+import commlib  # noqa: E402  (before torch.distributed use: sets the env:// variables)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +67,7 @@ def bench_ddp(args: argparse.Namespace, groups: dict[str, Any], sync: Any) -> di
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from models import WideMLP
 
     g = torch.Generator().manual_seed(commlib.get_rank())

@@ -33,15 +33,16 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import commlib  # noqa: E402
 import _common as C  # noqa: E402
+import commlib  # noqa: E402
 from gpt import Block, Config  # noqa: E402  (the GPT workload's pre-LN block)
 from models import WideMLP  # noqa: E402
 

@@ -70,10 +70,11 @@ def eth0_tx() -> int:
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
+    from mpi4py import MPI
+
     import commlib
     import gpt
     from commlib.mpi.mpi_env import _node
-    from mpi4py import MPI
     # --wait auto: the library's rule (the emulated nodes are one machine: it polls when
     # the job's ranks outnumber its cores); spin/poll force the job-wide option, which
     # every blocking call and the sharded wrappers' threads follow

@@ -98,16 +98,22 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common as C  # noqa: E402
+
 # the model's parts, re-exported: the formulas, the validation on the emulated runs, the
 # predictions at scale and the recommendation
-from cost_model_formulas import (MODELLED, PEER, SYNC, WIRE, Cluster, Tier,  # noqa: E402,F401
-                                 bytes_ratio, comm_time)
-from cost_model_validate import (_load, calibrate, cluster_of,  # noqa: E402,F401
-                                 model_bytes, row_comm, validate, validate_bytes)
+from cost_model_formulas import MODELLED, PEER, SYNC, WIRE, Cluster, Tier, bytes_ratio, comm_time  # noqa: E402,F401
 from cost_model_report import emulated_recommendation  # noqa: E402
 from cost_model_report import markdown as report_markdown  # noqa: E402
-from cost_model_scale import (GPT, SCALE, contender_args, plot,  # noqa: E402,F401
-                              predict, recommend, steps_ratio)
+from cost_model_scale import GPT, SCALE, contender_args, plot, predict, recommend, steps_ratio  # noqa: E402,F401
+from cost_model_validate import (  # noqa: E402,F401
+    _load,
+    calibrate,
+    cluster_of,
+    model_bytes,
+    row_comm,
+    validate,
+    validate_bytes,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,7 @@ import os
 import statistics
 from typing import Any
 
-from cost_model_formulas import (MODELLED, PEER, SYNC, Cluster, Tier, bytes_ratio,
-                                 comm_time)
+from cost_model_formulas import MODELLED, PEER, SYNC, Cluster, Tier, bytes_ratio, comm_time
 
 SCALE = {"ranks_per_node": 8, "intra": Tier(3e-6, 8 / 1200e9), "inter_alpha": 10e-6,
          "inter_gbit": (10, 25, 100, 400), "ranks": (8, 16, 32, 64, 128, 256, 512, 1024),

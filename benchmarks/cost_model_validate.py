@@ -8,8 +8,17 @@ import os
 import statistics
 from typing import Any
 
-from cost_model_formulas import (CONTROL, MODELLED, SYNC, Cluster, Tier, bytes_ratio,
-                                 comm_time, tier_of)
+from cost_model_formulas import (
+    CONTROL,
+    MODELLED,
+    SYNC,
+    Cluster,
+    Tier,
+    bytes_ratio,
+    comm_time,
+    tier_of,
+)
+
 
 def _load(paths: list[str], shaped: bool) -> dict[str, Any]:
     """The panels of ``paths`` whose links were rate-limited (``shaped``) or not."""

@@ -150,7 +150,7 @@ import sys
 import tempfile
 import uuid
 import warnings
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 MPICH_TCP = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
              "MPIR_CVAR_CH4_SHM_ENABLE": "0", "MPIR_CVAR_NOLOCAL": "1"}

@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 
-
 # -- the probe: runs under mpiexec, one rank on each of two nodes --------------------------
 
 def _probe(out: str, nbytes: int, reps: int) -> None:
@@ -86,7 +85,7 @@ def _udp_ping(addr: str, count: int) -> None:
             try:
                 while s.recv(64) != payload:  # a late answer to an earlier ping
                     pass
-            except socket.timeout:
+            except TimeoutError:
                 lost += 1
                 continue
             if i >= 3:

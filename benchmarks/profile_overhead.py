@@ -25,8 +25,9 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -52,12 +53,13 @@ def best_ns(fns: dict[str, Callable[[], Any]], number: int, repeat: int) -> dict
 
 def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
     """The full allreduce, its raw peer, and each step of commlib's allreduce path."""
-    import commlib
     from mpi4py import MPI
+
+    import commlib
     from commlib.base import buffers
+    from commlib.base.reduce_ops import ReduceOp, mpi_op
     from commlib.core import runtime
     from commlib.primitives import _base
-    from commlib.base.reduce_ops import ReduceOp, mpi_op
     counters = importlib.import_module("commlib.base.accounting")
     arr = np.zeros(count, np.float32)
     obj = arr

@@ -72,28 +72,56 @@ if not any(isinstance(f, _FormerNames) for f in _sys.meta_path):
 # (commlib.mpi.ucx_env).
 from .base.options import options as _options  # noqa: E402
 from .mpi import mpi_impl as _mpi_impl  # noqa: E402
+
 _mpi_impl.prepare_environment()  # e.g. Open MPI's op=^avx (commlib.mpi.mpi_impl.openmpi)
 from .mpi import ucx_env as _ucx_env  # noqa: E402
+
 if _options.fault_tolerant:
     _ucx_env.prepare_fault_tolerant()
 from .mpi import launch as _launch  # noqa: E402
+
 _launch.bootstrap()
 
+from . import integrations as _integrations
+from .base.accounting import stats
 from .base.errors import CommError, NonFiniteError, PeerFailure  # noqa: E402
 from .base.options import Options, options
-from .primitives import (Group, Work, allgather, allgather_v, allreduce, alltoall, alltoall_v,
-                         barrier, block_offsets, block_sizes, broadcast, gather, new_group,
-                         recv, recv_any, reduce, reduce_scatter, scatter, send, world)
-from .primitives import group_from_ranks as new_subgroup
 from .base.reduce_ops import ReduceOp
-from .core.runtime import (get_local_rank, get_local_size, get_rank, get_world_size, init,
-                           is_initialized)
-from .base.accounting import stats
-from .services import timeline  # registers its start at init() (COMMLIB_TIMELINE)
 from .core import exits as _exits
+from .core.runtime import (
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+)
 from .mpi import mpi_env as _mpi_env
+from .primitives import (
+    Group,
+    Work,
+    allgather,
+    allgather_v,
+    allreduce,
+    alltoall,
+    alltoall_v,
+    barrier,
+    block_offsets,
+    block_sizes,
+    broadcast,
+    gather,
+    new_group,
+    recv,
+    recv_any,
+    reduce,
+    reduce_scatter,
+    scatter,
+    send,
+    world,
+)
+from .primitives import group_from_ranks as new_subgroup
+from .services import timeline  # registers its start at init() (COMMLIB_TIMELINE)
 from .torch_backend import hook as _torch_hook
-from . import integrations as _integrations
 
 # Under mpiexec: the exit paths armed (an exception aborts the job, a rank that leaves alone
 # ends it, MPICH's /dev/shm segments released; see commlib.core.exits), torch.distributed's

@@ -88,9 +88,18 @@ from . import _threads
 
 _threads.configure()  # before anything imports Numba
 
-from ._api import (DEFAULT_CHUNK_SIZE, NONFINITE_MODES, Array, all_chunks_finite,
-                   compress_sign, compressed_nbytes, decompress_sign, dequantize_minmax_uint8,
-                   quantize_minmax_uint8, read_header)
+from ._api import (
+    DEFAULT_CHUNK_SIZE,
+    NONFINITE_MODES,
+    Array,
+    all_chunks_finite,
+    compress_sign,
+    compressed_nbytes,
+    decompress_sign,
+    dequantize_minmax_uint8,
+    quantize_minmax_uint8,
+    read_header,
+)
 from ._int4 import dequantize_minmax_int4, header_bytes, quantize_minmax_int4
 from ._layout import MINMAX_INT4, MINMAX_UINT8, SIGN1, Layout
 

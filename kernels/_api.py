@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Iterator
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import numba
 import numpy as np
@@ -15,8 +16,17 @@ from . import _cuda_io as D
 from . import _minmax_cpu, _sign_cpu
 from ._arith import NON_FINITE, RANGE_OVERFLOW
 from ._cuda import load_cuda
-from ._layout import (HEADER_NBYTES, MINMAX_INT4, MINMAX_UINT8, SIGN1, Layout, make_layout, pack_header,
-                      parse_header, sections)
+from ._layout import (
+    HEADER_NBYTES,
+    MINMAX_INT4,
+    MINMAX_UINT8,
+    SIGN1,
+    Layout,
+    make_layout,
+    pack_header,
+    parse_header,
+    sections,
+)
 
 #: Elements per chunk unless told otherwise: 8 bytes of min/max per 2048 codes (0.4 %),
 #: 4 bytes of scale per 256 bytes of sign bits (1.6 %).

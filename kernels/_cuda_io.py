@@ -8,7 +8,8 @@ is ordered with torch's and cupy's default streams.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from typing import Any, ContextManager
 
 import numpy as np
 

@@ -7,9 +7,22 @@ import numpy as np
 from . import _arrays as A
 from . import _cuda_io as D
 from . import _int4_cpu
-from ._api import (_MINMAX_REASONS, DEFAULT_CHUNK_SIZE, Array, _check_mode, _cpu_threads,
-                   _cuda_module, _host_output, _impl, _mark_nan_chunks, _ntasks, _open,
-                   _raise_for_status, _start, _write_header)
+from ._api import (
+    _MINMAX_REASONS,
+    DEFAULT_CHUNK_SIZE,
+    Array,
+    _check_mode,
+    _cpu_threads,
+    _cuda_module,
+    _host_output,
+    _impl,
+    _mark_nan_chunks,
+    _ntasks,
+    _open,
+    _raise_for_status,
+    _start,
+    _write_header,
+)
 from ._layout import MINMAX_INT4, Layout, make_layout, pack_header, sections
 
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._arith import (F0, F1, F255, INF, INV255, NON_FINITE, OK, RANGE_OVERFLOW, TINY_PRE,
-                     TINY_RANGE)
+from ._arith import F0, F1, F255, INF, INV255, NON_FINITE, OK, RANGE_OVERFLOW, TINY_PRE, TINY_RANGE
 
 _MAGNITUDE = np.int32(0x7FFFFFFF)
 _EXPONENT = np.int32(0x7F800000)  # magnitude bits >= this: Inf or NaN

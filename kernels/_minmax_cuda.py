@@ -9,8 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arith import (ELEMENT_BLOCK, F0, F1, F255, INF, INV255, LANES, NON_FINITE, OK,
-                     RANGE_OVERFLOW, TINY_PRE, TINY_RANGE, WARPS_PER_BLOCK)
+from ._arith import (
+    ELEMENT_BLOCK,
+    F0,
+    F1,
+    F255,
+    INF,
+    INV255,
+    LANES,
+    NON_FINITE,
+    OK,
+    RANGE_OVERFLOW,
+    TINY_PRE,
+    TINY_RANGE,
+    WARPS_PER_BLOCK,
+)
 from ._cuda import load_cuda
 
 cuda = load_cuda()

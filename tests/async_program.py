@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 import commlib
 
-
 KEEP = []  # alive until the interpreter exits
 
 

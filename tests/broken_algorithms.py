@@ -15,8 +15,8 @@ from commlib.algorithms.gradient_allreduce import GradientAllReduce
 from commlib.algorithms.local_sgd import LocalSGD
 from commlib.algorithms.low_precision_decentralized import REPLICAS, LowPrecisionDecentralized
 from commlib.algorithms.qadam import QAdam
-from commlib.primitives import allreduce
 from commlib.base.reduce_ops import ReduceOp
+from commlib.primitives import allreduce
 
 DROPPED = 0  # the bucket the "drop a bucket" controls never exchange: the output layer's
 

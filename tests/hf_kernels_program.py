@@ -8,9 +8,8 @@ one package or the other and the exchanges failed (``module 'kernels' has no att
 import importlib.metadata
 import os
 
-import numpy as np
-
 import kernels  # Hugging Face's, from the distribution named "kernels"
+import numpy as np
 
 hf = importlib.metadata.distribution("kernels")
 assert os.path.samefile(kernels.__file__, hf.locate_file("kernels/__init__.py")), \

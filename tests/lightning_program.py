@@ -25,12 +25,11 @@ import sys
 import tempfile
 import warnings
 
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
 
 import commlib  # registers strategy="commlib"
 from commlib.ddp import RelaxedReplicaWarning

@@ -97,7 +97,7 @@ class SlurmCluster:
         self.conf = ""
 
     # -- start -------------------------------------------------------------------------
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         self.start()
         return self
 

@@ -27,12 +27,12 @@ import os
 import runpy
 import sys
 
-import commlib
 import numpy as np
-from mpi4py import MPI
-
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
+
+import commlib
 
 expect = sys.argv[1]
 env = os.environ

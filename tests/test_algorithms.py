@@ -11,10 +11,9 @@ from helpers import require
 
 torch = pytest.importorskip("torch")
 require("sklearn")
-import commlib  # noqa: E402
 import broken_algorithms as broken  # noqa: E402
-from algo_harness import (bus_bytes, gathered, param_groups, same_everywhere,  # noqa: E402
-                          train, wait_for_rounds)
+import commlib  # noqa: E402
+from algo_harness import bus_bytes, gathered, param_groups, same_everywhere, train, wait_for_rounds  # noqa: E402
 from commlib.algorithms.qadam import QAdamOptimizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
@@ -176,6 +175,7 @@ def test_async_model_average_reaches_consensus(warmup):
 @pytest.mark.mpi
 def test_async_start_stop_cycles_leave_no_thread():
     import threading
+
     from commlib.primitives.background import BackgroundAverager
     x = np.zeros(16)
 

@@ -9,8 +9,16 @@ import pytest
 
 import commlib
 from commlib import ReduceOp
-from helpers import (NUMPY_DTYPES, SIZES, TORCH_DTYPES, numel_of, rank_data, to_kind,
-                     to_numpy, tolerance)
+from helpers import (
+    NUMPY_DTYPES,
+    SIZES,
+    TORCH_DTYPES,
+    numel_of,
+    rank_data,
+    to_kind,
+    to_numpy,
+    tolerance,
+)
 
 torch = pytest.importorskip("torch")
 

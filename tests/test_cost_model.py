@@ -81,10 +81,11 @@ def test_gathered_algorithms_message_ratio_matches_their_layouts():
     chunks), the bench worker's exact figure on a real model, and the allgather's bus
     ratio; negative control: sparseloco's message modelled with 4-bit codes is rejected."""
     import torch
+
     from bench_time_to_accuracy_worker import message_bytes
-    from cost_model_formulas import DEFAULTS, bytes_ratio, gathered_ratio, message_ratio
     from commlib.algorithms.demo import bytes_per_step
     from commlib.algorithms.sparseloco import layout
+    from cost_model_formulas import DEFAULTS, bytes_ratio, gathered_ratio, message_ratio
 
     a = dict(DEFAULTS["sparseloco"])
     numel = 4096 * 37

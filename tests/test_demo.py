@@ -32,8 +32,16 @@ import torch.nn.functional as F  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 
 import commlib  # noqa: E402
-from algo_harness import (BUCKET_MB, batch_indices, bus_bytes, digits, gathered,  # noqa: E402
-                          model, param_groups, train)
+from algo_harness import (  # noqa: E402
+    BUCKET_MB,
+    batch_indices,
+    bus_bytes,
+    digits,
+    gathered,
+    model,
+    param_groups,
+    train,
+)
 from commlib.algorithms.demo import DeMo, bytes_per_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")

@@ -32,6 +32,7 @@ from torch import nn  # noqa: E402
 import commlib  # noqa: E402
 from torch_gloo import gloo_world  # noqa: E402
 
+
 def _default_cases() -> int:
     import sys
     mpi = sys.modules.get("mpi4py.MPI")

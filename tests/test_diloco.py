@@ -11,11 +11,19 @@ pytest.importorskip("sklearn")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-from algo_harness import (BUCKET_MB, batch_indices, bus_bytes, digits, model,  # noqa: E402
-                          param_groups, same_everywhere, train)
+from algo_harness import (  # noqa: E402
+    BUCKET_MB,
+    batch_indices,
+    bus_bytes,
+    digits,
+    model,
+    param_groups,
+    same_everywhere,
+    train,
+)
 from commlib.algorithms.diloco import DiLoCo  # noqa: E402
-from commlib.primitives import allreduce  # noqa: E402
 from commlib.base.reduce_ops import ReduceOp  # noqa: E402
+from commlib.primitives import allreduce  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 

@@ -11,13 +11,12 @@ pytest.importorskip("sklearn")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-from algo_harness import (batch_indices, digits, model,  # noqa: E402
-                          param_groups, train)
-from commlib.base import accounting  # noqa: E402
+from algo_harness import batch_indices, digits, model, param_groups, train  # noqa: E402
 from commlib.algorithms import int4  # noqa: E402
 from commlib.algorithms.streaming_diloco import StreamingDiLoCo, split_layers  # noqa: E402
-from commlib.primitives import allreduce  # noqa: E402
+from commlib.base import accounting  # noqa: E402
 from commlib.base.reduce_ops import ReduceOp  # noqa: E402
+from commlib.primitives import allreduce  # noqa: E402
 from test_diloco import flat, gap, inner  # noqa: E402
 from test_diloco import our_run as diloco_run  # noqa: E402
 

@@ -40,9 +40,20 @@ import sys
 import numpy as np
 import pytest
 
-from elastic_common import (HERE, ROOT, cluster_refusal, leftover_shm, params, rank_hosts,
-                            reference, reference_args, results, run_cluster_job, run_job)
-from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
+from elastic_common import (
+    HERE,
+    ROOT,
+    cluster_refusal,
+    fault_tolerant_launch,  # noqa: F401 - skips where refused
+    leftover_shm,
+    params,
+    rank_hosts,
+    reference,
+    reference_args,
+    results,
+    run_cluster_job,
+    run_job,
+)
 from helpers import mpi_impl, serial_only
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -21,8 +21,13 @@ import os
 
 import pytest
 
-from elastic_common import HERE, leftover_shm, results, run_job
-from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
+from elastic_common import (
+    HERE,
+    fault_tolerant_launch,  # noqa: F401 - skips where refused
+    leftover_shm,
+    results,
+    run_job,
+)
 from helpers import mpi_impl, serial_only
 
 PROGRAM = os.path.join(HERE, "elastic_ft_program.py")

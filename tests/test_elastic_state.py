@@ -141,6 +141,7 @@ def test_per_rank_commits_stay_within_keep(keep, fenced, monkeypatch):
     ``c - keep + 1`` (monotonic clock, one machine). Negative control: without the fence
     the fast ranks run away (all their commits before rank 0's second)."""
     import time
+
     from commlib.elastic.state import PER_RANK
     if not fenced:
         monkeypatch.setattr(elastic.State, "_fence_due", lambda self: False)

@@ -15,9 +15,17 @@ import os
 import numpy as np
 import pytest
 
-from elastic_common import (HERE, TRAIN_PROGRAM, leftover_shm, params, reference,
-                            reference_args, results, run_store_job)
-from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
+from elastic_common import (
+    HERE,
+    TRAIN_PROGRAM,
+    fault_tolerant_launch,  # noqa: F401 - skips where refused
+    leftover_shm,
+    params,
+    reference,
+    reference_args,
+    results,
+    run_store_job,
+)
 from helpers import requires_store_world, serial_only
 
 pytestmark = [serial_only, pytest.mark.timeout(600),

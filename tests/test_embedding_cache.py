@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 import commlib  # noqa: E402
 from commlib.embedding.cache import eviction_order  # noqa: E402
-from test_embedding import D, F64, N, TOL, run  # noqa: E402
+from test_embedding import F64, TOL, D, N, run  # noqa: E402
 
 
 def accesses(sequence):

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from commlib.embedding import lookahead as la  # noqa: E402
 import test_embedding as te  # noqa: E402
+from commlib.embedding import lookahead as la  # noqa: E402
 
 
 def brute_force(mine, touched, L):

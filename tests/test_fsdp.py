@@ -12,8 +12,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import commlib  # noqa: E402
-from sharded_common import (OPTIMIZERS, check_replicas, loss_fn, make_model,  # noqa: E402
-                            reference_optimizer, replica_errors, two_groups)
+from sharded_common import (  # noqa: E402
+    OPTIMIZERS,
+    check_replicas,
+    loss_fn,
+    make_model,
+    reference_optimizer,
+    replica_errors,
+    two_groups,
+)
 
 GLOBAL_BATCH = 12          # divisible by 1, 2, 3 and 4 ranks
 CHUNK_MB = 0.0005          # ~65 float64 elements: several chunks, uneven shards

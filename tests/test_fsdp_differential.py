@@ -47,6 +47,7 @@ from torch import nn  # noqa: E402
 import commlib  # noqa: E402
 from torch_gloo import gloo_world  # noqa: E402
 
+
 def _default_cases() -> int:
     import sys
     mpi = sys.modules.get("mpi4py.MPI")
@@ -63,7 +64,7 @@ class BlockSpec:
     bn: bool = False
     wn: bool = False
     f32: bool = False
-    sub: "BlockSpec | None" = None
+    sub: BlockSpec | None = None
 
 
 @dataclass

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
+from commlib.base.errors import CommError
 from commlib.fault import ft_backend
 from commlib.mpi import mpi_impl
-from commlib.base.errors import CommError
 from commlib.mpi.mpi_impl import identify
 
 TEXTS = {
@@ -136,8 +136,8 @@ def test_a_blocking_call_on_a_helper_thread_is_bounded(monkeypatch):
     import threading
     import time
 
-    from commlib.fault import fault_tolerance
     from commlib.base.options import options
+    from commlib.fault import fault_tolerance
 
     class Alive:
         failed = False

@@ -11,9 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
-import gpt  # noqa: E402
-
 import commlib  # noqa: E402
+import gpt  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 BYTES = 400_000

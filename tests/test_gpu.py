@@ -47,6 +47,7 @@ def test_torch_cuda_collectives(dtype, async_op):
 def test_torch_cuda_collectives_on_each_path(path, monkeypatch):
     """Host staging, and straight to MPI where the library is CUDA-aware: same results."""
     import torch
+
     from commlib.base.accelerator import cuda_aware
     if path == "direct" and not cuda_aware("auto")[0]:
         pytest.skip("the MPI library is not CUDA-aware: GPU buffers are always staged")
@@ -81,6 +82,7 @@ def test_cupy_collectives():
 @needs_torch_cuda
 def test_ddp_on_cuda_matches_cpu():
     import torch
+
     from models import make
     model = make("mlp", torch.float32).cuda()
     ddp = commlib.DistributedDataParallel(model)
@@ -102,6 +104,7 @@ def test_ddp_waits_for_gradients_produced_on_a_side_stream():
     the communication thread's own stream: gradients must equal a CPU reference exactly."""
     import torch
     import torch.nn.functional as F
+
     from models import make
     rank, n = commlib.get_rank(), commlib.get_world_size()
     model = make("mlp", torch.float64).cuda()
@@ -146,6 +149,7 @@ def train_on(device: str, name: str, steps: int = STEPS) -> list:
     flattened weights after each step (on the CPU), this rank's own replica."""
     import torch
     import torch.nn.functional as F
+
     from algo_harness import BUCKET_MB, batch_indices, digits, model, param_groups
     rank, n = commlib.get_rank(), commlib.get_world_size()
     xs, ys = digits(torch.float64)

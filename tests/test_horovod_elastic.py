@@ -22,8 +22,11 @@ import os
 import pytest
 
 torch = pytest.importorskip("torch")
-from elastic_common import HERE, run_job  # noqa: E402
-from elastic_common import fault_tolerant_launch  # noqa: E402,F401 - skips where refused
+from elastic_common import (  # noqa: E402
+    HERE,
+    fault_tolerant_launch,  # noqa: E402,F401 - skips where refused
+    run_job,
+)
 from helpers import serial_only  # noqa: E402
 
 PROGRAM = os.path.join(HERE, "horovod_examples", "elastic_train.py")

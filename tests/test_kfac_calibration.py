@@ -12,8 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
 from test_kfac_dist import LR, build, kfac_modules, shard  # noqa: E402
-from test_kfac_math import (ReferenceKFAC, grad_matrix, reference_factors,  # noqa: E402
-                            set_grad_matrix)
+from test_kfac_math import ReferenceKFAC, grad_matrix, reference_factors, set_grad_matrix  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 

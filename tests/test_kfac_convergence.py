@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-
-import numpy as np  # noqa: E402
 
 import commlib  # noqa: E402
 from commlib.algorithms.kfac import DKFAC, DPKFAC  # noqa: E402

@@ -21,8 +21,13 @@ import commlib  # noqa: E402
 from commlib.algorithms.kfac import DKFAC, DPKFAC  # noqa: E402
 from commlib.algorithms.kfac.factors import update_running  # noqa: E402
 from models import MLP, SmallCNN  # noqa: E402
-from test_kfac_math import (ReferenceKFAC, grad_matrix, kfac_modules,  # noqa: E402
-                            reference_factors, set_grad_matrix)
+from test_kfac_math import (  # noqa: E402
+    ReferenceKFAC,
+    grad_matrix,
+    kfac_modules,
+    reference_factors,
+    set_grad_matrix,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 

@@ -23,10 +23,9 @@ import time
 
 import pytest
 
-from helpers import clean_env, mpi_impl, requires_store_world, serial_only
-
 from commlib.mpi.launch import environment, pmi, space
 from commlib.mpi.launch.world import fnv1a, shm_segments
+from helpers import clean_env, mpi_impl, requires_store_world, serial_only
 
 pytestmark = serial_only
 HERE = os.path.dirname(os.path.abspath(__file__))

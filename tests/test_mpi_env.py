@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib.mpi import mpi_env
 from commlib.core import runtime
+from commlib.mpi import mpi_env
 from helpers import clean_env, serial_only
 
 

@@ -25,8 +25,8 @@ import pytest
 import commlib
 from commlib import ReduceOp
 from commlib.base.options import options
-from commlib.primitives import node_shm
 from commlib.base.reduce_ops import mpi_op
+from commlib.primitives import node_shm
 from helpers import mpi_impl, serial_only
 
 torch = pytest.importorskip("torch")
@@ -352,8 +352,8 @@ def test_nothing_named_in_dev_shm():
     """The windows' files (MPICH: mpich_shar_tmp*) are unlinked once every rank mapped
     them: none of the files this rank maps still has a name (the MPI library's own
     segments excepted, which commlib.mpi.shm releases)."""
-    from helpers import shm_segments
     from commlib.mpi.mpi_impl import current
+    from helpers import shm_segments
     mpi_own = tuple(current().shm_prefixes)
     named = [s for s in shm_segments() if os.path.exists(os.path.join("/dev/shm", s))
              and not s.startswith(mpi_own) and not s.startswith("torch_")]

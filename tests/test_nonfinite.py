@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-from commlib import NonFiniteError, ReduceOp  # noqa: E402
+from commlib import NonFiniteError  # noqa: E402
 from commlib.primitives import CompressionState, compressed_allreduce  # noqa: E402
 from models import MLP  # noqa: E402
 

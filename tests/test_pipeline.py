@@ -2,7 +2,6 @@
 gradient accumulation (float64, 1e-10), Chimera's replicas hold bit-identical gradients,
 many steps leave nothing in flight, and a step with a dropped backward is rejected."""
 import copy
-import dataclasses
 
 import numpy as np
 import pytest

@@ -24,8 +24,8 @@ import commlib  # noqa: E402
 from algo_harness import bus_bytes, same_everywhere, train  # noqa: E402
 from commlib.algorithms.buckets import Bucket  # noqa: E402
 from commlib.algorithms.powersgd import PowerSGD, should_compress  # noqa: E402
-from commlib.primitives import allreduce  # noqa: E402
 from commlib.base.reduce_ops import ReduceOp  # noqa: E402
+from commlib.primitives import allreduce  # noqa: E402
 from torch_gloo import gloo_world  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")

@@ -13,12 +13,18 @@ from helpers import require
 torch = pytest.importorskip("torch")
 require("sklearn")
 
-import commlib  # noqa: E402
 import broken_algorithms as broken  # noqa: E402
+import commlib  # noqa: E402
 from algo_harness import gathered, param_groups  # noqa: E402
 from commlib.algorithms.qadam import QAdamOptimizer  # noqa: E402
-from test_algorithm_invariants import (assert_close, assert_rejected, flat,  # noqa: E402
-                                       local_gradients, run, world)
+from test_algorithm_invariants import (  # noqa: E402
+    assert_close,
+    assert_rejected,
+    flat,
+    local_gradients,
+    run,
+    world,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 

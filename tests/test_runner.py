@@ -173,9 +173,10 @@ def test_command_line_module_exception_and_environment(tmp_path):
     ([], "no script given"),
 ])
 def test_command_line_errors(args, message):
-    from commlib.run import main
     import contextlib
     import io
+
+    from commlib.run import main
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert main(args) == 2

@@ -20,8 +20,7 @@ import pytest
 from entry_points import autoload_pythonpath
 from helpers import clean_env, serial_only, store_world_refusal
 from test_lightning import identical
-from test_runner import DESTROY, EPOCHS, MINGPT, assert_identical, snapshot_checksum, \
-    sync_points
+from test_runner import DESTROY, EPOCHS, MINGPT, assert_identical, snapshot_checksum, sync_points
 
 pytest.importorskip("torch")
 pytest.importorskip("tomllib")

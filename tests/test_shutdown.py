@@ -87,6 +87,7 @@ def test_release_unlinks_only_the_segments_this_process_maps(tmp_path):
     file, is left alone; the mapping stays usable."""
     import mmap
     import os
+
     from commlib.mpi import shm
     if not os.path.isdir("/dev/shm") or not os.path.exists("/proc/self/maps"):
         pytest.skip("needs Linux /dev/shm")

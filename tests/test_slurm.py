@@ -27,13 +27,12 @@ import textwrap
 
 import pytest
 
+import commlib
 import slurm_cluster
-from helpers import mpi_impl, requires_store_world, serial_only
-
 from commlib.core import runtime
 from commlib.mpi.launch import environment
 from commlib.mpi.launch.world import shm_segments
-import commlib
+from helpers import mpi_impl, requires_store_world, serial_only
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

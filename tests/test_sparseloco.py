@@ -17,11 +17,19 @@ pytest.importorskip("sklearn")
 import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
-from algo_harness import (BUCKET_MB, batch_indices, bus_bytes, digits,  # noqa: E402
-                          full_loss, model, param_groups, same_everywhere, train)
+from algo_harness import (  # noqa: E402
+    BUCKET_MB,
+    batch_indices,
+    bus_bytes,
+    digits,
+    full_loss,
+    model,
+    param_groups,
+    same_everywhere,
+    train,
+)
 from commlib import NonFiniteError  # noqa: E402
-from commlib.algorithms.sparseloco import (SparseLoCo, layout, pack_bits,  # noqa: E402
-                                           unpack_bits)
+from commlib.algorithms.sparseloco import SparseLoCo, layout, pack_bits, unpack_bits  # noqa: E402
 from commlib.ddp import per_rank_state  # noqa: E402
 from test_diloco import flat, gap, inner  # noqa: E402
 from test_diloco import our_run as diloco_run  # noqa: E402

@@ -4,7 +4,6 @@ gradients (summed over ranks) and running statistics, with equal, unequal and em
 per-rank batches; a negative control (per-rank statistics) must be rejected by the same
 checker; under commlib's DDP (with no_sync) against the single-process reference; bytes
 per layer and step in commlib.stats()."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 import commlib
-from commlib.parallel import (ColumnParallelLinear, RowParallelLinear, allreduce_gradients,
-                              shard_model)
+from commlib.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    allreduce_gradients,
+    shard_model,
+)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("one_thread_per_rank")]
 

@@ -30,8 +30,13 @@ import torch
 import commlib
 import commlib.parallel.layers as layers
 import commlib.parallel.shard as shard
-from commlib.parallel import (ColumnParallelLinear, RowParallelLinear,
-                              VocabParallelEmbedding, parallel_cross_entropy, shard_model)
+from commlib.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_cross_entropy,
+    shard_model,
+)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("one_thread_per_rank")]
 

@@ -3,7 +3,6 @@ bucket-exchange event per bucket per step and one event per collective (operatio
 bytes, sequence number, thread); merge() puts the ranks into one trace; stats() times
 every operation. (commlib.init() starting it from the option: tests/test_example.py.)"""
 import json
-import os
 
 import numpy as np
 import pytest

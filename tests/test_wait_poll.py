@@ -10,10 +10,25 @@ import pytest
 
 import commlib
 from commlib.core import runtime
-from commlib.primitives import (allgather, allgather_v, allreduce, alltoall, alltoall_v,
-                                barrier, broadcast, gather, new_group, recv, recv_any,
-                                reduce, reduce_scatter, scatter, send, sendrecv)
-from commlib.primitives import _base
+from commlib.primitives import (
+    _base,
+    allgather,
+    allgather_v,
+    allreduce,
+    alltoall,
+    alltoall_v,
+    barrier,
+    broadcast,
+    gather,
+    new_group,
+    recv,
+    recv_any,
+    reduce,
+    reduce_scatter,
+    scatter,
+    send,
+    sendrecv,
+)
 
 
 def test_emulated_nodes_on_one_machine_count_as_one_machine():

@@ -8,9 +8,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import commlib  # noqa: E402
-from sharded_common import (OPTIMIZERS, TOL, check_replicas, data, flat,  # noqa: E402
-                            loss_fn, make_model, reference_optimizer, replica_errors,
-                            two_groups)
+from sharded_common import (  # noqa: E402
+    OPTIMIZERS,
+    TOL,
+    check_replicas,
+    data,
+    flat,
+    loss_fn,
+    make_model,
+    reference_optimizer,
+    replica_errors,
+    two_groups,
+)
 
 STEPS = 6
 

@@ -33,8 +33,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import commlib  # noqa: E402
-from sharded_common import (OPTIMIZERS, TOL, Tied, data, flat, loss_fn,  # noqa: E402
-                            replica_errors)
+from sharded_common import OPTIMIZERS, TOL, Tied, data, flat, loss_fn, replica_errors  # noqa: E402
 from torch_gloo import gloo_world  # noqa: E402
 
 BUCKET_MB = 64 * 8 / 2 ** 20     # 64 float64 elements a bucket

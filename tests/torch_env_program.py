@@ -11,10 +11,12 @@ import sys
 
 order, backend, snapshot_dir = sys.argv[1:4]
 if order == "commlib-first":
-    import commlib  # noqa: F401
     import torch
+
+    import commlib  # noqa: F401
 else:
     import torch
+
     import commlib  # noqa: F401
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402

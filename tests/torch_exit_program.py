@@ -30,9 +30,9 @@ def report() -> None:
 
 if MODE is None:
     atexit.register(report)
-import commlib  # noqa: F401,E402
 import torch.distributed as dist  # noqa: E402
 
+import commlib  # noqa: F401,E402
 from helpers import mpich_segments  # noqa: E402
 
 print(f"SHM {json.dumps(mpich_segments())}", flush=True)

@@ -32,8 +32,9 @@ import time
 import traceback
 import unittest
 
-import commlib  # noqa: F401 - MPI up, RANK/WORLD_SIZE/MASTER_* set, backend registered
 from mpi4py import MPI
+
+import commlib  # noqa: F401 - MPI up, RANK/WORLD_SIZE/MASTER_* set, backend registered
 
 HARNESS = MPI.COMM_WORLD.Dup()
 RANK, SIZE = HARNESS.Get_rank(), HARNESS.Get_size()
@@ -105,9 +106,10 @@ def make_case_class():
 
 def run_one(Case, name: str, index: int, tmp: str, backend: str) -> tuple[str, str]:
     """Run test ``name`` as torch's spawn harness does; (outcome, error text)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
     from torch.testing._internal.distributed import distributed_test as dt
-    from datetime import timedelta
     case = Case(name)
     case.rank = RANK
     case.file_name = os.path.join(tmp, f"init_{index}")

@@ -38,15 +38,16 @@ gradient there) leaves that rank's weights finite and needs nothing from the oth
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 from ..base.errors import NonFiniteError
-from ..primitives import allreduce
-from ..primitives.finite import all_finite, nonfinite_ranks
-from ..primitives.background import BackgroundAverager
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allreduce
+from ..primitives.background import BackgroundAverager
+from ..primitives.finite import all_finite, nonfinite_ranks
 from . import state
 from .base import GRADIENTS, WEIGHTS, Algorithm, Context
 from .buckets import Bucket, build, pack

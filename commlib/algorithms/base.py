@@ -54,8 +54,9 @@ thread then drives to completion.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -73,7 +74,7 @@ class Context:
     module: torch.nn.Module
     group: Any                       # commlib Group used by every collective of the run
     named_parameters: list[tuple[str, torch.nn.Parameter]]
-    bucket_cap_bytes: "int | list[int]"  # one cap, or one per bucket (the last repeats)
+    bucket_cap_bytes: int | list[int]  # one cap, or one per bucket (the last repeats)
     submit: Callable[..., Any]       # run a job on the communication thread -> Future
     buckets: list[Bucket] = field(default_factory=list)
     step: int = 0                    # iterations completed (backward passes outside no_sync)
@@ -102,7 +103,7 @@ class Algorithm:
     #: the saved state differs between ranks (residuals, replicas, owned layers): it must
     #: be loaded by the rank, and at the world size, that saved it
     per_rank_state: ClassVar[bool] = False
-    _ctx: "Context | None" = None
+    _ctx: Context | None = None
 
     def attach(self, ctx: Context) -> None:
         """Called by the wrapper before :meth:`setup`: the context that

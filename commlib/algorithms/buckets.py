@@ -3,7 +3,8 @@ state) view into, so one collective moves many tensors and no copy is made per s
 the layout allows."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 

@@ -7,9 +7,9 @@ compression (two compressions per exchange). Every rank ends with identical grad
 """
 from __future__ import annotations
 
+from ..base.reduce_ops import ReduceOp
 from ..primitives import compressed_allreduce
 from ..primitives.compressed import release_workspaces
-from ..base.reduce_ops import ReduceOp
 from .base import Algorithm, Context
 from .buckets import Bucket
 from .registry import register

@@ -16,8 +16,9 @@ NaN or Inf (some rank took a step on non-finite gradients), every rank that rece
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

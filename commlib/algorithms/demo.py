@@ -84,8 +84,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -426,9 +427,9 @@ class DeMo(Algorithm):
             return
         groups = optimizer.param_groups
         if any(g.get("maximize", False) for g in groups):
-            raise ValueError(f"demo: the optimizer has maximize=True; DeMo's update "
-                             f"(sign of the decoded momentum) must be descended: use "
-                             f"torch.optim.SGD(params, lr, momentum=0)")
+            raise ValueError("demo: the optimizer has maximize=True; DeMo's update "
+                             "(sign of the decoded momentum) must be descended: use "
+                             "torch.optim.SGD(params, lr, momentum=0)")
         self._checked.add(id(optimizer))
         if not isinstance(optimizer, torch.optim.SGD):
             warnings.warn(f"demo: the gradients hold DeMo's update direction, meant for "

@@ -27,14 +27,15 @@ weights finite and needs nothing from the others (gradients never travel).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..base.errors import NonFiniteError
+from ..base.reduce_ops import ReduceOp
 from ..primitives import allreduce
 from ..primitives.finite import all_finite, nonfinite_ranks
-from ..base.reduce_ops import ReduceOp
 from . import state
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import Bucket, pack, unpack

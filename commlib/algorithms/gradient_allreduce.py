@@ -5,8 +5,8 @@ from typing import Any
 
 import torch
 
-from ..primitives import allreduce
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allreduce
 from . import precision
 from .base import Algorithm, Context
 from .buckets import Bucket

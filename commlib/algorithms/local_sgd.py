@@ -9,9 +9,9 @@ Inf (the same on every rank), no bucket's average is applied, and every rank rai
 from __future__ import annotations
 
 from ..base.errors import NonFiniteError
+from ..base.reduce_ops import ReduceOp
 from ..primitives import allreduce
 from ..primitives.finite import all_finite, nonfinite_ranks
-from ..base.reduce_ops import ReduceOp
 from .base import WEIGHTS, Algorithm, Context
 from .buckets import pack, unpack
 from .registry import register

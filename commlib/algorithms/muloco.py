@@ -69,7 +69,8 @@ accumulators) is changed then.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 

@@ -38,14 +38,15 @@ random generator's state; per rank (residuals differ).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..base.reduce_ops import ReduceOp
 from ..primitives import allreduce
 from ..primitives.finite import all_finite
-from ..base.reduce_ops import ReduceOp
 from . import state
 from .base import Algorithm, Context
 from .buckets import Bucket

@@ -17,7 +17,8 @@ own dtype; ``torch.float16``/``torch.bfloat16`` halve the bytes of float32 gradi
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

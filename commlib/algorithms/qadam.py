@@ -29,13 +29,14 @@ the chunk's error, which division by their tiny ``sqrt(v)`` turns into huge step
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
+from ..base.reduce_ops import ReduceOp
 from ..primitives import CompressionState, allreduce, compressed_allreduce
 from ..primitives.compressed import release_workspaces
-from ..base.reduce_ops import ReduceOp
 from . import precision, state
 from .base import Algorithm, Context
 from .buckets import Bucket

@@ -4,7 +4,8 @@ algorithm's bucket buffers."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, ClassVar, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,7 +43,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         QAdamOptimizer._instances.append(weakref.ref(self))
 
     @classmethod
-    def holding(cls, params: Iterable[torch.Tensor]) -> "QAdamOptimizer | None":
+    def holding(cls, params: Iterable[torch.Tensor]) -> QAdamOptimizer | None:
         """The newest live QAdamOptimizer that holds any of ``params``, or ``None``."""
         wanted = {id(p) for p in params}
         for ref in reversed(cls._instances):

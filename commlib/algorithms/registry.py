@@ -9,9 +9,10 @@ Names are unique: registering a taken name is an error, whoever registers it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import import_module
 from importlib.metadata import entry_points
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 ENTRY_POINT_GROUP = "commlib.algorithms"
 _registry: dict[str, type] = {}

@@ -100,9 +100,10 @@ weights, replicas and error buffers as before the outer step).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 

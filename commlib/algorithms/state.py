@@ -8,7 +8,8 @@ raises ``ValueError`` and changes nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

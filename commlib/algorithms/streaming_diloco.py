@@ -38,14 +38,15 @@ raise :class:`~commlib.base.errors.NonFiniteError` on every rank as in ``diloco`
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
+from ..base.reduce_ops import ReduceOp
 from ..primitives import allreduce, compressed_allreduce, new_group
 from ..primitives.compressed import release_workspaces
-from ..base.reduce_ops import ReduceOp
 from . import int4, state
 from .base import Context
 from .buckets import Bucket, build, pack

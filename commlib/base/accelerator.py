@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from functools import lru_cache
+from functools import cache
 from types import ModuleType
 from typing import Any
 
@@ -37,7 +37,7 @@ def is_device(obj: Any, kind: str) -> bool:
     return False
 
 
-@lru_cache(maxsize=None)
+@cache
 def optional(name: str) -> ModuleType | None:
     """Import an optional module, ``None`` if it is not installed or fails to import."""
     try:
@@ -94,7 +94,7 @@ def _loaded_libmpi() -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _query_cuda_aware() -> tuple[bool, str]:
     from mpi4py import MPI  # noqa: F401  (loads libmpi)
     path = _loaded_libmpi()

@@ -26,7 +26,8 @@ ones (``async_op=True``); a hierarchical allreduce is timed as one ``allreduce``
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _lock = threading.Lock()
 #: op -> [calls, bytes, bus_bytes, seconds of the calls counted by record_timed]

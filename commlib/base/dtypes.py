@@ -10,7 +10,7 @@ combine them and round back to nearest-even (see :mod:`commlib.base.reduce_ops`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ def _native(name: str, mpi_type: Any, kind: str) -> DType:
     return DType(name, np.dtype(name), mpi_type, kind, True)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _table() -> dict[str, DType]:
     # Built lazily: MPI datatype handles are only meaningful once MPI is initialized.
     t = {

@@ -31,8 +31,8 @@ class PeerFailure(CommError):
     (``group.shrink()``) and go on with the survivors, or let ``commlib.elastic.run`` do
     it."""
 
-    def __init__(self, message: str, failed: "list[int] | tuple[int, ...]" = (),
-                 world_ranks: "tuple[int, ...]" = ()) -> None:
+    def __init__(self, message: str, failed: list[int] | tuple[int, ...] = (),
+                 world_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.failed = tuple(failed)
         self.world_ranks = tuple(world_ranks)

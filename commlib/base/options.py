@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _parse_bool(text: str) -> bool:

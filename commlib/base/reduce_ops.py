@@ -13,7 +13,8 @@ per step.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI

@@ -144,7 +144,7 @@ class Communicator:
                         f"collective #{self.seq}: " + "; ".join(lines))
 
     # -- topology --------------------------------------------------------------------------
-    def node(self) -> tuple["Communicator", "Communicator | None"]:
+    def node(self) -> tuple[Communicator, Communicator | None]:
         """(ranks on my node, node leaders or None if I lead no node). Collective on first
         use. Nodes are shared-memory domains, or blocks of ``COMMLIB_LOCAL_SIZE``
         consecutive ranks when that option is set."""
@@ -163,7 +163,7 @@ class Communicator:
             self._node_bcast = local_c.dup(f"{self.name}/node-bcast")
         return self._node
 
-    def node_broadcast(self) -> "Communicator":
+    def node_broadcast(self) -> Communicator:
         """A second communicator over my node's ranks (collective on first use, with
         :meth:`node`): hierarchical operations broadcast on it, so that the node reduces of
         later operations, started at issue, never queue behind earlier broadcasts."""
@@ -171,14 +171,14 @@ class Communicator:
             self.node()
         return self._node_bcast
 
-    def split(self, member: bool, key: int, name: str) -> "Communicator | None":
+    def split(self, member: bool, key: int, name: str) -> Communicator | None:
         """Collective over this communicator: members form a new one, ordered by ``key``."""
         sub = self.mpi.Split(color=0 if member else MPI.UNDEFINED, key=key)
         if sub == MPI.COMM_NULL:
             return None
         return Communicator(sub, self.watchdog, name)
 
-    def create_group(self, ranks: list[int], name: str, tag: int = 0) -> "Communicator":
+    def create_group(self, ranks: list[int], name: str, tag: int = 0) -> Communicator:
         """Collective over the members only (``MPI_Comm_create_group``): a communicator of the
         ranks ``ranks`` of this one, in that order; only those ranks call it, with the same
         ``ranks`` and ``tag``. The caller must be one of them."""
@@ -192,7 +192,7 @@ class Communicator:
         return Communicator(sub, self.watchdog, name,
                             tuple(self.world_ranks[r] for r in ranks))
 
-    def dup(self, name: str) -> "Communicator":
+    def dup(self, name: str) -> Communicator:
         """Collective: a communicator over the same ranks with its own message space."""
         return Communicator(self.mpi.Dup(), self.watchdog, name, self.world_ranks)
 

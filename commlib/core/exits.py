@@ -58,12 +58,12 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ..mpi import shm, shutdown
-from .communicator import describe_pending
-from ..fault.ft_backend import iprobe_any, isend, sent
-from ..mpi.mpi_env import launcher_world
 from ..base.options import options
+from ..fault.ft_backend import iprobe_any, isend, sent
+from ..mpi import shm, shutdown
+from ..mpi.mpi_env import launcher_world
 from ..mpi.watchdog import POLLERS, abort_job
+from .communicator import describe_pending
 
 #: Tag of the exit messages on the exit communicator (nothing else uses that communicator).
 EXIT_TAG = 1

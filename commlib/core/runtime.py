@@ -9,13 +9,13 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import communicator, exits
-from ..fault import failure_detection
-from ..mpi import ucx_env
-from .communicator import Communicator, describe_pending
 from ..base.errors import CommError
 from ..base.options import options
+from ..fault import failure_detection
+from ..mpi import ucx_env
 from ..mpi.watchdog import Watchdog, abort_job
+from . import communicator, exits
+from .communicator import Communicator, describe_pending
 
 _world: Communicator | None = None
 _world_source: Any = None  # the communicator init() was given (commlib works on a Dup)

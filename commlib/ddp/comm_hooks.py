@@ -17,14 +17,15 @@ For a precision choice without a hook (and with a predivide factor), pass
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..algorithms.base import Algorithm, Context
 from ..algorithms.buckets import Bucket
-from ..primitives import allreduce
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allreduce
 
 __all__ = ["GradBucket", "allreduce_hook", "bf16_compress_hook", "bf16_compress_wrapper",
            "fp16_compress_hook", "fp16_compress_wrapper"]

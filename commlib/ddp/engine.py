@@ -14,8 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from ..mpi import shutdown
 

@@ -13,18 +13,19 @@ still averaged.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..base import accounting
 from ..algorithms.base import Algorithm, Context
 from ..algorithms.buckets import Bucket
-from ..primitives import allgather_v, allreduce
+from ..base import accounting
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allgather_v, allreduce
 from .engine import Engine, drive
 
 # Readiness modes, after torch DDP's: every parameter must get a gradient ("strict"), the

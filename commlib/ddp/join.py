@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..primitives import allreduce
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allreduce
 
 
 class Join:
@@ -30,7 +30,7 @@ class Join:
         self.throw_on_early_termination = bool(throw_on_early_termination)
         self.iterations = 0
 
-    def __enter__(self) -> "Join":
+    def __enter__(self) -> Join:
         if self.enable:
             if self.ddp._join is not None:
                 raise RuntimeError("DistributedDataParallel.join(): already inside a join() "

@@ -23,14 +23,15 @@ import contextlib
 import threading
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from ..algorithms.base import WEIGHTS
 
 _quiet = threading.local()
 # id(wrapped module) -> its live wrapper (frameworks keep the bare module, e.g. Accelerate's
 # prepared models; a wrapper holds its module, so the id is not reused while it lives).
-_wrappers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_wrappers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 class RelaxedReplicaWarning(UserWarning):

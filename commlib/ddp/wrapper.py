@@ -4,17 +4,18 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.algorithms.join import Joinable
 
-from ..core import runtime
 from ..algorithms.base import GRADIENTS, Algorithm, Context
 from ..algorithms.buckets import plan
 from ..base.options import options
-from ..primitives import allreduce, broadcast, new_group
 from ..base.reduce_ops import ReduceOp
+from ..core import runtime
+from ..primitives import allreduce, broadcast, new_group
 from . import arguments, replicas
 from .consistency import check_same_model
 from .engine import Engine
@@ -404,8 +405,10 @@ def _to_device(inputs: tuple, kwargs: dict, device: int) -> tuple[tuple, dict]:
 
 def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
     """Global optimizer hooks, filtered to optimizers that hold the module's parameters."""
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
     ref = weakref.ref(ddp)
     mine = {id(p) for p in ddp.module.parameters()}
 

@@ -8,8 +8,8 @@ exchange.
 from .cache import EmbeddingCache
 from .lookahead import LookaheadLoader
 from .module import ShardedEmbedding, ShardedEmbeddingBag
-from .prefetch import PrefetchLoader
 from .optim import RowAdagrad, RowAdam, RowOptimizer, RowSGD
+from .prefetch import PrefetchLoader
 from .table import ShardTable
 
 __all__ = ["EmbeddingCache", "LookaheadLoader", "PrefetchLoader", "RowAdagrad", "RowAdam",

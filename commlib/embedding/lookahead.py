@@ -27,7 +27,8 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 

@@ -2,7 +2,8 @@
 that hands the rows' gradient to the table's open batch."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numbers
 import weakref
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -18,7 +18,8 @@ synchronous: every update is applied at the step that closes its batch.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

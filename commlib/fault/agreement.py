@@ -36,8 +36,9 @@ decision takes one message delay after the last survivor arrives.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from mpi4py import MPI
 

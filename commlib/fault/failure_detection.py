@@ -26,7 +26,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from mpi4py import MPI
 

@@ -60,19 +60,29 @@ import pickle
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from functools import reduce as _fold
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from ..base.errors import CommError, PeerFailure
-from .ft_backend import backend as _backend
 from ..base.options import options
+
 # Detection (the watcher thread and its detectors) is commlib.fault.failure_detection's; these
 # names are part of this module's API too.
-from .failure_detection import (POLL_S, SOURCES, StoreDetector, Watcher,  # noqa: F401
-                                available, dead, dead_in_world, watcher)
+from .failure_detection import (  # noqa: F401
+    POLL_S,
+    SOURCES,
+    StoreDetector,
+    Watcher,
+    available,
+    dead,
+    dead_in_world,
+    watcher,
+)
+from .ft_backend import backend as _backend
 
 __all__ = ["ABANDONED", "FTComm", "FTRequest", "adopt", "failure", "in_thread", "POLL_S",
            "SOURCES", "StoreDetector", "Watcher", "available", "dead", "dead_in_world",
@@ -151,7 +161,7 @@ class FTRequest:
 
     __slots__ = ("req", "comm", "keep", "op")
 
-    def __init__(self, req: Any, comm: "FTComm", keep: Any, op: str) -> None:
+    def __init__(self, req: Any, comm: FTComm, keep: Any, op: str) -> None:
         self.req, self.comm, self.keep, self.op = req, comm, keep, op
 
     def Wait(self, status: Any = None) -> bool:
@@ -231,7 +241,7 @@ def failure(comm: Any, op: str, error: BaseException | None = None) -> PeerFailu
     return comm.failure(op)
 
 
-def _start(comm: "FTComm", op: str, start: Callable, *args: Any, **kwargs: Any) -> Any:
+def _start(comm: FTComm, op: str, start: Callable, *args: Any, **kwargs: Any) -> Any:
     """``start(comm, *args, **kwargs)`` (an ``MPI_I...`` call): a failure it reports (ULFM:
     the communicator is revoked, a peer known dead) is :class:`PeerFailure`."""
     try:
@@ -247,7 +257,7 @@ def _start(comm: "FTComm", op: str, start: Callable, *args: Any, **kwargs: Any) 
 def _nonblocking(name: str) -> Callable:
     start = getattr(MPI.Intracomm, name)
 
-    def method(self: "FTComm", *args: Any, **kwargs: Any) -> FTRequest:
+    def method(self: FTComm, *args: Any, **kwargs: Any) -> FTRequest:
         if self.watcher.dead - self.known_dead:  # never start anything towards the dead
             raise self.failure(name)
         return FTRequest(_start(self, name, start, *args, **kwargs), self, (args, kwargs),
@@ -260,7 +270,7 @@ def _nonblocking(name: str) -> Callable:
 def _blocking(name: str, inonblocking: str) -> Callable:
     start = getattr(MPI.Intracomm, inonblocking)
 
-    def method(self: "FTComm", *args: Any, **kwargs: Any) -> None:
+    def method(self: FTComm, *args: Any, **kwargs: Any) -> None:
         if self.watcher.dead - self.known_dead:
             raise self.failure(name)
         FTRequest(_start(self, name, start, *args, **kwargs), self, (args, kwargs),
@@ -287,7 +297,7 @@ class FTComm(MPI.Intracomm):
     known_dead: frozenset = frozenset()
     watcher: Watcher
 
-    def ft_init(self, known_dead: Iterable[int] | None = None, name: str = "") -> "FTComm":
+    def ft_init(self, known_dead: Iterable[int] | None = None, name: str = "") -> FTComm:
         self.watcher = w = watcher()
         self.known_dead = w.dead if known_dead is None else frozenset(known_dead)
         self.name = name
@@ -329,7 +339,7 @@ class FTComm(MPI.Intracomm):
             raise self.failure(op)
 
     # -- communicator creation ----------------------------------------------------------
-    def Dup(self, info: Any = None) -> "FTComm":
+    def Dup(self, info: Any = None) -> FTComm:
         self.check("Comm_idup")
         new, req = _start(self, "Comm_idup", MPI.Intracomm.Idup,
                           *(() if info is None else (info,)))
@@ -353,7 +363,7 @@ class FTComm(MPI.Intracomm):
         new = in_thread(self, "Comm_split_type", MPI.Intracomm.Split_type, self, *args)
         return new if new == MPI.COMM_NULL else adopt(new, self.known_dead, self.name)
 
-    def Create_group(self, group: Any, tag: int = 0) -> "FTComm":
+    def Create_group(self, group: Any, tag: int = 0) -> FTComm:
         new = in_thread(self, "Comm_create_group", MPI.Intracomm.Create_group, self, group,
                         tag)
         return adopt(new, self.known_dead, self.name)

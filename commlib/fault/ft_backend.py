@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from mpi4py import MPI
 

@@ -9,22 +9,68 @@ negotiated by name as Horovod's coordinator does (:mod:`commlib.horovod.controll
 from Horovod" page (``docs/guide/horovod.md``).
 """
 from . import elastic
-from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
-                       grouped_allreduce, grouped_reducescatter, reducescatter)
-from .basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                     gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
-                     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                     rank, rocm_built, shutdown, size, start_timeline, stop_timeline)
+from .autograd import (
+                       allgather,
+                       allreduce,
+                       alltoall,
+                       broadcast,
+                       grouped_allgather,
+                       grouped_allreduce,
+                       grouped_reducescatter,
+                       reducescatter,
+)
+from .basics import (
+                       ccl_built,
+                       cross_rank,
+                       cross_size,
+                       cuda_built,
+                       ddl_built,
+                       gloo_built,
+                       gloo_enabled,
+                       init,
+                       is_homogeneous,
+                       is_initialized,
+                       local_rank,
+                       local_size,
+                       mpi_built,
+                       mpi_enabled,
+                       mpi_threads_supported,
+                       nccl_built,
+                       rank,
+                       rocm_built,
+                       shutdown,
+                       size,
+                       start_timeline,
+                       stop_timeline,
+)
 from .compression import Compression
 from .controller import HorovodInternalError, poll, synchronize
 from .execute import Adasum, Average, Max, Min, Product, Sum
-from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                        broadcast_parameters)
-from .ops import (allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async,
-                  barrier, broadcast_, broadcast_async, broadcast_async_, grouped_allgather_async,
-                  grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                  grouped_reducescatter_async, join, reducescatter_async,
-                  sparse_allreduce_async)
+from .functions import (
+                       allgather_object,
+                       broadcast_object,
+                       broadcast_optimizer_state,
+                       broadcast_parameters,
+)
+from .ops import (
+                       allgather_async,
+                       allreduce_,
+                       allreduce_async,
+                       allreduce_async_,
+                       alltoall_async,
+                       barrier,
+                       broadcast_,
+                       broadcast_async,
+                       broadcast_async_,
+                       grouped_allgather_async,
+                       grouped_allreduce_,
+                       grouped_allreduce_async,
+                       grouped_allreduce_async_,
+                       grouped_reducescatter_async,
+                       join,
+                       reducescatter_async,
+                       sparse_allreduce_async,
+)
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm

@@ -15,13 +15,14 @@ run the backward pass.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from . import ops, state
 from .compression import Compression
-from .controller import call, synchronize
+from .controller import call
 from .execute import Average, Sum
 from .process_sets import ProcessSet, global_process_set
 
@@ -42,8 +43,8 @@ class HorovodAllreduce(torch.autograd.Function):
         return (g,) + (None,) * 6
 
 
-def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: Any = Compression.none, op: Optional[int] = None,
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: int | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over ``process_set``; returns a new tensor (same shape, dtype,
@@ -82,9 +83,9 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         return (None,) * 6 + tuple(g)
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                      name: Optional[str] = None, compression: Any = Compression.none,
-                      op: Optional[int] = None, prescale_factor: float = 1.0,
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = Compression.none,
+                      op: int | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list:
     """Allreduce of a list of tensors as one operation; returns a list of new tensors."""
@@ -119,7 +120,7 @@ class HorovodAllgather(torch.autograd.Function):
         return (g.reshape(()) if ctx.scalar else g), None, None
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may
     differ); a new tensor, differentiable."""
@@ -142,7 +143,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
                                     for r, o, d in zip(reduced, offsets, ctx.dims))
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list:
     return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
@@ -162,7 +163,7 @@ class HorovodBroadcast(torch.autograd.Function):
         return reduced, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """``root_rank``'s tensor on every rank (a new tensor), differentiable."""
     if tensor.requires_grad and torch.is_grad_enabled():
@@ -191,7 +192,7 @@ class HorovodAlltoall(torch.autograd.Function):
         return g, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Alltoall along dimension 0; returns ``output`` when ``splits`` is None, else
     ``(output, received_splits)``, as Horovod. Differentiable."""
@@ -223,7 +224,7 @@ def _scatter_grad(grad: torch.Tensor, op: int, ps: ProcessSet, pre: float,
     return grad
 
 
-def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: Any = Compression.none, op: int = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
@@ -250,7 +251,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         return (None,) * 5 + tuple(grouped_allgather(gs, process_set=ps))
 
 
-def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Any = Compression.none, op: int = Average,
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ..core import runtime
-from ..services import timeline
 from ..primitives import allgather, group_from_ranks, world
+from ..services import timeline
 from . import state
 from .process_sets import ProcessSet, global_process_set, register
 
 
-def init(comm: Any = None, process_sets: "Optional[Sequence[ProcessSet] | str]" = None) -> None:
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Initialize Horovod (idempotent while initialized). Collective over the Horovod
     world. ``process_sets``: ProcessSet objects to register now, or ``"dynamic"`` (sets
     ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` for :func:`add_process_set`)."""
@@ -208,7 +209,7 @@ def rocm_built() -> bool:
     return bool(torch.cuda.is_available()) and torch.version.hip is not None
 
 
-_timeline_path: Optional[str] = None
+_timeline_path: str | None = None
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

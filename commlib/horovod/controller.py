@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
+from ..base.options import options
 from ..core import runtime
 from ..mpi import shutdown as _shutdown
-from ..base.options import options
 from ..mpi.shutdown import write_stderr
 from ..mpi.watchdog import abort_job
 from ..primitives import allgather, new_group
@@ -66,8 +66,16 @@ from . import state as _state
 from . import wire
 from .execute import check, inline_allreduce, run
 from .express import _LENGTH, SLOT_BYTES, ExpressLane
-from .requests import (HorovodInternalError, Request, _tls, call,  # noqa: F401 (re-exported)
-                       forget_handles, new_handle, poll, synchronize)
+from .requests import (  # noqa: F401 (re-exported)
+    HorovodInternalError,
+    Request,
+    _tls,
+    call,
+    forget_handles,
+    new_handle,
+    poll,
+    synchronize,
+)
 
 CACHE_CAPACITY = 1 << 14
 
@@ -101,19 +109,19 @@ class Controller(ExpressLane):
         self.next_cid = 0
         self.counters: dict[str, int] = {}
         self.joined = False
-        self.join_req: Optional[Request] = None
+        self.join_req: Request | None = None
         self.join_round: dict[int, int] = {}
         self.rounds = 0
         self.first_seen: dict[str, float] = {}   # name -> when its first announcement came
         self.warned: set = set()
         self.stopping = False
         self.closed = False
-        self.fatal: Optional[BaseException] = None
+        self.fatal: BaseException | None = None
         self.inline: dict[str, dict[int, tuple]] = {}   # name -> rank -> (slot, offset)
         self._slot = np.zeros(SLOT_BYTES, dtype=np.uint8)
         self._slot_view = memoryview(self._slot)
         self._rows = np.zeros((self.size, SLOT_BYTES), dtype=np.uint8)
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._driving = threading.Lock()
 
     # -- submission (caller's thread) ------------------------------------------------------
@@ -340,8 +348,8 @@ class Controller(ExpressLane):
                 write_stderr(f"[commlib.horovod] rank {self.ranks[self.rank]}: stalled: "
                              f"{name!r} is waiting for ranks {missing} since {age:.0f} s\n")
 
-    def _cache_id(self, name: str, metas: list, req: Optional[Request],
-                  mine: Optional[tuple] = None) -> None:
+    def _cache_id(self, name: str, metas: list, req: Request | None,
+                  mine: tuple | None = None) -> None:
         """The response cache: the same id on every rank for a ``(name, metas)`` that ran
         (``mine``: this rank's metadata when there is no request). Automatic names are
         not cached (they do not repeat; the same decision on every rank)."""

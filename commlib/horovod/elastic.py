@@ -35,7 +35,8 @@ import copy
 import functools
 import math
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -247,8 +248,8 @@ class TorchState(ObjectState):
         self._handlers = handlers
         for name, handler in handlers.items():
             setattr(self, name, handler.value)
-        from .functions import broadcast_object
         from .basics import rank
+        from .functions import broadcast_object
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **rest)
 
     def save(self) -> None:
@@ -282,8 +283,8 @@ def _peer_died(exc: BaseException) -> bool:
 
 def _reset() -> None:
     """Horovod over the survivors: abandon the failed world, shrink it, init again."""
-    from .basics import abandon, init
     from ..primitives import world
+    from .basics import abandon, init
     abandon()
     while True:
         try:

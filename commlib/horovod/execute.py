@@ -11,13 +11,13 @@ flat buffer (Horovod's tensor fusion; elementwise, so results are unchanged), up
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..primitives import allgather, allgather_v, allreduce, alltoall_v, broadcast, reduce_scatter
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allgather, allgather_v, allreduce, alltoall_v, broadcast, reduce_scatter
 from .adasum import adasum_combine
 from .wire import inline_numpy_dtype
 
@@ -54,7 +54,7 @@ def _describe(metas: list, ranks: list) -> str:
     return "; ".join(f"rank {ranks[r]}: {m!r}" for r, m in enumerate(metas) if m is not None)
 
 
-def check(name: str, metas: list, joined: set, ranks: list) -> Optional[str]:
+def check(name: str, metas: list, joined: set, ranks: list) -> str | None:
     """The error every rank reports for ``name``, or None when the ranks agree."""
     present = [m for m in metas if m is not None]
     kinds = {m[0] for m in present}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -38,7 +38,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         synchronize(h)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s ``obj`` on every rank of ``process_set`` (others' ``obj`` is
     ignored). The default name does not depend on ``obj`` (Horovod's does, so ranks passing
@@ -60,7 +60,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     return obj
 
 
-def allgather_object(obj: Any, name: Optional[str] = None,
+def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list:
     """Every rank's ``obj``, in rank order, on every rank."""
     name = name or "allgather_object"

@@ -13,7 +13,8 @@ carries (bool, u/int8-64, float16, bfloat16, float32/64, complex), 0-d to N-d.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from .process_sets import ProcessSet, global_process_set
 OPS = (Average, Sum, Adasum, Min, Max, Product)
 
 
-def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
+def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:
     """Horovod's rule for the deprecated ``average`` argument."""
     if op is not None:
         if average is not None:
@@ -64,7 +65,7 @@ def spec(t: Any, what: str) -> tuple:
     return (str(t.dtype).replace("torch.", ""), tuple(t.shape), t.device.type)
 
 
-def _submit(kind: str, name: Optional[str], meta: tuple, inputs: list, outputs: Any,
+def _submit(kind: str, name: str | None, meta: tuple, inputs: list, outputs: Any,
             process_set: ProcessSet, grouped: bool = False, **params: Any) -> int:
     ctrl = _controller(process_set, kind)
     if name is None:
@@ -87,7 +88,7 @@ def _check_op(op: Any, what: str, process_set: ProcessSet, tensors: Sequence) ->
     return op
 
 
-def _allreduce_async(tensors: list, outputs: list, name: Optional[str], op: int,
+def _allreduce_async(tensors: list, outputs: list, name: str | None, op: int,
                      prescale_factor: float, postscale_factor: float,
                      process_set: ProcessSet, grouped: bool) -> int:
     what = "grouped_allreduce" if grouped else "allreduce"
@@ -128,8 +129,8 @@ def express_entry(tensor: torch.Tensor, op: int, pre: float, post: float) -> Any
     return ent
 
 
-def allreduce_blocking(tensor: torch.Tensor, average: Optional[bool], name: Optional[str],
-                       op: Optional[int], prescale_factor: float, postscale_factor: float,
+def allreduce_blocking(tensor: torch.Tensor, average: bool | None, name: str | None,
+                       op: int | None, prescale_factor: float, postscale_factor: float,
                        process_set: ProcessSet, inplace: bool) -> torch.Tensor:
     """A blocking allreduce (the result: a new tensor, or ``tensor`` when ``inplace``):
     tiny CPU ones through the controller's express lane (one round, no request, no
@@ -149,8 +150,8 @@ def allreduce_blocking(tensor: torch.Tensor, average: Optional[bool], name: Opti
                 prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
-                    name: Optional[str] = None, op: Optional[int] = None,
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None,
+                    name: str | None = None, op: int | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start reducing ``tensor`` over ``process_set`` (out of place; ``synchronize``
@@ -162,8 +163,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                             process_set, False)
 
 
-def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
-                     name: Optional[str] = None, op: Optional[int] = None,
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
+                     name: str | None = None, op: int | None = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """As :func:`allreduce_async`, the result written into ``tensor``."""
@@ -172,8 +173,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                             process_set, False)
 
 
-def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Optional[int] = None, prescale_factor: float = 1.0,
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: int | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce; returns ``tensor``."""
@@ -183,8 +184,8 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                               process_set, True)
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                            name: Optional[str] = None, op: Optional[int] = None,
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: int | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Allreduce of a list of tensors as one negotiated operation (one name); the list
@@ -195,8 +196,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             postscale_factor, process_set, True)
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                             name: Optional[str] = None, op: Optional[int] = None,
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: int | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     op = handle_average_backwards_compatibility(op, average)
@@ -205,15 +206,15 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                             process_set, True)
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                       name: Optional[str] = None, op: Optional[int] = None,
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: int | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list:
     return call(grouped_allreduce_async_, tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set)
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start concatenating every rank's ``tensor`` along dimension 0 (first dimensions may
     differ; the others, the dtype and the device must agree). A 0-d tensor counts as one
@@ -222,7 +223,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                    None, process_set)
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     tensors = list(tensors)
     if not tensors:
@@ -244,31 +245,31 @@ def _root(root_rank: Any, process_set: ProcessSet) -> int:
 
 
 def _broadcast_async(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
-                     name: Optional[str], process_set: ProcessSet) -> int:
+                     name: str | None, process_set: ProcessSet) -> int:
     root = _root(root_rank, process_set)
     meta = ("broadcast", root, (spec(tensor, "broadcast"),))
     return _submit("broadcast", name, meta, [tensor], [output], process_set)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start copying ``tensor`` of ``root_rank`` (a Horovod-world rank, also with process
     sets) to every rank; ``synchronize`` returns a new tensor."""
     return _broadcast_async(tensor, torch.empty_like(tensor), root_rank, name, process_set)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
     return _broadcast_async(tensor, tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast; returns ``tensor``."""
     return call(broadcast_async_, tensor, root_rank, name, process_set)
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
     """Start an alltoall: rows ``[sum(splits[:j]), sum(splits[:j+1]))`` go to the set's rank
     ``j`` (``None``: equal splits, the first dimension divisible by the set size).
@@ -301,7 +302,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     return _submit("alltoall", name, ("alltoall", (s,), send), [tensor], None, process_set)
 
 
-def _reducescatter_async(tensors: list, name: Optional[str], op: int, process_set: ProcessSet,
+def _reducescatter_async(tensors: list, name: str | None, op: int, process_set: ProcessSet,
                          prescale_factor: float, postscale_factor: float,
                          grouped: bool) -> int:
     what = "grouped_reducescatter" if grouped else "reducescatter"
@@ -321,7 +322,7 @@ def _reducescatter_async(tensors: list, name: Optional[str], op: int, process_se
     return _submit("reducescatter", name, meta, tensors, None, process_set, grouped)
 
 
-def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reduce-scatter along dimension 0: this rank receives rows of the reduction
@@ -330,7 +331,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: in
                                 postscale_factor, False)
 
 
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: int = Average, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:

@@ -41,16 +41,17 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..core import runtime
 from ..algorithms import registry
 from ..algorithms.base import Algorithm, Context
 from ..algorithms.buckets import Bucket, build
+from ..core import runtime
 from ..ddp.engine import Engine
 from ..primitives import allgather, allreduce, new_group
 from . import state
@@ -359,7 +360,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(*args, **kwargs)
 
 
-def _resolve_algorithm(algorithm: Any, kwargs: dict) -> Optional[Algorithm]:
+def _resolve_algorithm(algorithm: Any, kwargs: dict) -> Algorithm | None:
     if algorithm is None:
         if kwargs:
             raise TypeError(f"DistributedOptimizer got unexpected keyword arguments "

@@ -8,15 +8,16 @@ the parameter's value from before the local step.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from .controller import synchronize
 from .execute import Adasum
-from .ops import allreduce_async_
 from .names import named_parameters as _named
+from .ops import allreduce_async_
 
 
 class _DistributedAdasumOptimizer(torch.optim.Optimizer):

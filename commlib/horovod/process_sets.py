@@ -12,7 +12,8 @@ Ranks given to ops (``root_rank`` of a broadcast) stay Horovod-world ranks, as i
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from . import state
 
@@ -21,8 +22,8 @@ class ProcessSet:
     """A set of Horovod processes (``ranks``: world ranks, sorted) that run collectives
     together. ``process_set_id`` is ``None`` until the set is registered."""
 
-    process_set_id: Optional[int] = None
-    ranks: Optional[list] = None
+    process_set_id: int | None = None
+    ranks: list | None = None
     mpi_comm: Any = None
 
     def __init__(self, ranks_or_comm: Any) -> None:
@@ -42,13 +43,13 @@ class ProcessSet:
     def _invalidate(self) -> None:
         self.process_set_id = None
 
-    def size(self) -> Optional[int]:
+    def size(self) -> int | None:
         """Number of processes in the set (``None`` if not registered)."""
         if self.process_set_id is None:
             return None
         return len(self.ranks)
 
-    def rank(self) -> Optional[int]:
+    def rank(self) -> int | None:
         """This process's rank within the set (``None`` if not registered;
         ``ValueError`` on a process outside the set)."""
         if self.process_set_id is None:
@@ -59,7 +60,7 @@ class ProcessSet:
                              f"not a member of {self}")
         return self.ranks.index(me)
 
-    def included(self) -> Optional[bool]:
+    def included(self) -> bool | None:
         """Whether this process belongs to the set (``None`` if it has no ranks yet)."""
         if self.ranks is None:
             return None
@@ -103,7 +104,7 @@ def register(ps: ProcessSet, what: str) -> ProcessSet:
     return ps
 
 
-def add_process_set(process_set: "ProcessSet | Sequence[int]") -> ProcessSet:
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set after ``init`` (needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` or
     ``init(process_sets="dynamic")``, as in Horovod). Collective over the Horovod world:
     every rank calls it with the same ranks. Returns the registered set; a duplicate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Optional
+from typing import Any
 
 
 class HorovodInternalError(RuntimeError):
@@ -23,12 +23,12 @@ class Request:
         self.kind, self.name, self.meta = kind, name, meta
         self.inputs, self.outputs, self.params = inputs, outputs, params
         self.done = False
-        self._event: Optional[threading.Event] = None   # made when a thread waits
-        self.error: Optional[BaseException] = None
+        self._event: threading.Event | None = None   # made when a thread waits
+        self.error: BaseException | None = None
         self.result: Any = None
         self.controller: Any = None
 
-    def finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
         self.done = True
         event = self._event

@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Optional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +64,7 @@ def command(argv: list) -> list:
     return cmd + list(args.command)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd = command(argv)
     if "--verbose" in argv:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 
 class State:
@@ -22,7 +22,7 @@ class State:
         self.next_set_id = 1
 
 
-current: Optional[State] = None
+current: State | None = None
 
 
 def require(what: str) -> State:
@@ -34,7 +34,7 @@ def require(what: str) -> State:
 
 
 #: Every DistributedOptimizer made (rebuilt over the survivors by hvd.elastic.run).
-optimizers: "weakref.WeakSet" = weakref.WeakSet()
+optimizers: weakref.WeakSet = weakref.WeakSet()
 
 
 def rebuild_optimizers() -> None:

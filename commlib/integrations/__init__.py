@@ -22,7 +22,8 @@ import importlib.util
 import sys
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # module name -> "submodule:function" of this package, called once that module is imported.
 HOOKS = {

@@ -36,7 +36,7 @@ import socket
 import struct
 import sys
 import warnings
-from typing import Callable, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 
 from mpi4py import MPI
 

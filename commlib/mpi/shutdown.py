@@ -34,10 +34,11 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from . import shm
 from ..base.options import options
+from . import shm
 
 #: Seconds that stopping everything at exit may take (bounded by ``COMMLIB_TIMEOUT`` too).
 EXIT_GRACE_S = 10.0

@@ -27,7 +27,7 @@ intra-node messages then take about twice as long (the probe above: 32-34 messag
 from __future__ import annotations
 
 import os
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 #: ``UCX_RNDV_THRESH`` for fault-tolerant mode when the user set none: no rendezvous
 #: between ranks of one machine, UCX's own choice between machines.

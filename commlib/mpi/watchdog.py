@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import shm
 from .shutdown import write_stderr

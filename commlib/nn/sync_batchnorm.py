@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..core import runtime
 from ..base.errors import where
-from ..primitives import Group, allreduce
 from ..base.reduce_ops import ReduceOp
+from ..core import runtime
+from ..primitives import Group, allreduce
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -176,7 +176,7 @@ class SyncBatchNorm(_BatchNorm):
                     unbiased.to(self.running_var.dtype), alpha=factor)
         return out
 
-    def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
+    def __deepcopy__(self, memo: dict) -> SyncBatchNorm:
         # A copy (an EMA model, say) shares the group: communicators are not copied.
         import copy
         if self.process_group is not None:

@@ -6,14 +6,15 @@ over the pipeline group whose gradients are averaged over the data-parallel grou
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..base.errors import where
+from ..base.reduce_ops import ReduceOp
 from ..pipeline.executor import Pipeline
 from ..pipeline.partitioner import Partition, partition
-from ..base.reduce_ops import ReduceOp
 from ..services.topology import Topology
 from .shard import shard_model
 
@@ -62,7 +63,7 @@ class AutoParallel(torch.nn.Module):
         raise RuntimeError("commlib.parallel.auto: call train_step(inputs, targets) or "
                            "eval_step(inputs)")
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> "OrderedDict[str, torch.Tensor]":
+    def state_dict(self, *args: Any, **kwargs: Any) -> OrderedDict[str, torch.Tensor]:
         """This rank's parameters and buffers by their names in the original model
         (detached; a sharded layer's entries are this rank's shard)."""
         out: OrderedDict = OrderedDict()

@@ -135,7 +135,7 @@ class ColumnParallelLinear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group: Any = None,
-                    gather_output: bool = True) -> "ColumnParallelLinear":
+                    gather_output: bool = True) -> ColumnParallelLinear:
         """The sharded equivalent of ``linear`` (whose weights must be the same on every
         rank): this rank keeps its block of rows; ``requires_grad`` as in ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group,
@@ -189,7 +189,7 @@ class RowParallelLinear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group: Any = None,
-                    input_is_parallel: bool = False) -> "RowParallelLinear":
+                    input_is_parallel: bool = False) -> RowParallelLinear:
         """The sharded equivalent of ``linear``: this rank keeps its block of columns;
         ``requires_grad`` as in ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group,

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from ..primitives import block_offsets, block_sizes
 from ..base.reduce_ops import ReduceOp
+from ..primitives import block_offsets, block_sizes
 from .layers import _check, _group
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -82,7 +82,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: torch.nn.Embedding,
-                       group: Any = None) -> "VocabParallelEmbedding":
+                       group: Any = None) -> VocabParallelEmbedding:
         """The sharded equivalent of ``embedding`` (the same weights on every rank), with
         its ``padding_idx``, ``max_norm``, ``norm_type`` and ``requires_grad``."""
         rank = _group(group).rank

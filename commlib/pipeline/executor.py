@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -146,7 +147,7 @@ class Pipeline(torch.nn.Module):
         for g in groups.values():
             g.free()
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc: Any) -> None:

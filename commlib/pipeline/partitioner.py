@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx

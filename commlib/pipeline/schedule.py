@@ -28,8 +28,8 @@ micro-batches:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
 COMPUTE = ("forward", "backward")

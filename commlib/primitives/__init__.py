@@ -1,12 +1,18 @@
 """Collective primitives over numpy, torch and cupy buffers (one module per collective)."""
+from . import ft as _ft  # noqa: F401  (fault-tolerant mode starts at init)
 from .allgather import allgather, allgather_v
 from .allreduce import allreduce
 from .alltoall import alltoall, alltoall_v
 from .barrier import barrier
 from .broadcast import broadcast
 from .compressed import CompressionState, compressed_allreduce
-from .decentralized import (PEER_MODES, compressed_ring_exchange, peer_average,
-                            ring_neighbors, shift_one_peer)
+from .decentralized import (
+                            PEER_MODES,
+                            compressed_ring_exchange,
+                            peer_average,
+                            ring_neighbors,
+                            shift_one_peer,
+)
 from .gather import gather
 from .group import Group, group_from_ranks, new_group, world
 from .p2p import recv, recv_any, send, sendrecv
@@ -14,7 +20,6 @@ from .reduce import reduce
 from .reduce_scatter import block_offsets, block_sizes, reduce_scatter
 from .scatter import scatter
 from .work import Work
-from . import ft as _ft  # noqa: F401  (fault-tolerant mode starts at init)
 
 __all__ = [
     "CompressionState", "Group", "PEER_MODES", "Work", "compressed_allreduce",

@@ -2,21 +2,22 @@
 and finishing reductions (AVG division, copy-back of staged or non-contiguous buffers)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from threading import get_ident
 from time import monotonic, perf_counter, sleep
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from ..base import accounting
-from ..core import runtime
 from ..base.buffers import Buf
-from ..core.communicator import Communicator
 from ..base.dtypes import bf16_to_f32, f32_to_bf16
 from ..base.errors import CommError, where
 from ..base.options import options
 from ..base.reduce_ops import ReduceOp
+from ..core import runtime
+from ..core.communicator import Communicator
 from .work import Work
 
 

@@ -6,11 +6,11 @@ from typing import Any
 from mpi4py import MPI
 
 from ..base import accounting
-from ..core import runtime
 from ..base.buffers import Buf, adapt
-from ..core.communicator import Communicator
 from ..base.options import options
 from ..base.reduce_ops import ReduceOp, as_reduce_op, mpi_op
+from ..core import runtime
+from ..core.communicator import Communicator
 from . import node_shm
 from ._base import call_blocking, finish_reduce, resolve
 from .work import Release, Reserve, Turn, Work

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ..core import runtime
-from ..mpi import shutdown
 from ..base.errors import CommError, NonFiniteError
 from ..base.reduce_ops import ReduceOp
+from ..core import runtime
+from ..mpi import shutdown
 from .allreduce import allreduce
 from .finite import all_finite, nonfinite_ranks
 from .group import new_group

@@ -39,9 +39,9 @@ from ..base.errors import where
 from ..base.reduce_ops import ReduceOp, as_reduce_op
 from ._base import resolve
 from .allgather import allgather
-from .finite import all_finite
 from .alltoall import alltoall
 from .broadcast import broadcast
+from .finite import all_finite
 from .reduce import reduce
 from .work import turn
 

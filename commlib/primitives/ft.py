@@ -19,13 +19,13 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ..base.errors import CommError, PeerFailure, where
+from ..base.options import options
 from ..core import exits, runtime
+from ..core.communicator import Communicator
 from ..fault import fault_tolerance
 from ..fault.agreement import Agreement, Decision
 from ..fault.ft_backend import backend
-from ..core.communicator import Communicator
-from ..base.errors import CommError, PeerFailure, where
-from ..base.options import options
 
 #: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
 CREATE_TAG_BASE = 1000

@@ -11,12 +11,13 @@ world rank ``group.ranks[i]``.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from ..core import runtime
-from ..core.communicator import Communicator
 from ..base.errors import where
 from ..base.reduce_ops import ReduceOp
+from ..core import runtime
+from ..core.communicator import Communicator
 from .allgather import allgather, allgather_v
 from .allreduce import allreduce
 from .alltoall import alltoall, alltoall_v
@@ -98,13 +99,13 @@ class Group:
     def barrier(self, async_op: bool = False) -> Any:
         return barrier(self, async_op)
 
-    def shrink(self, value: Any = 0, timeout: float | None = None) -> "Group":
+    def shrink(self, value: Any = 0, timeout: float | None = None) -> Group:
         """Fault-tolerant mode: the group of the members still alive, agreed by the
         survivors, who all call it (see :func:`shrink`)."""
         return shrink(self, value, timeout)
 
     def grow(self, n: int, command: str | None = None, args: list[str] | None = None,
-             info: dict | None = None) -> "Group":
+             info: dict | None = None) -> Group:
         """Fault-tolerant mode, on the world: ``n`` new ranks join (see :func:`grow`)."""
         return grow(n, self, command, args, info)
 

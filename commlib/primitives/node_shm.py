@@ -81,10 +81,10 @@ from mpi4py import MPI
 
 from ..base import accounting
 from ..base.buffers import Buf
-from ..core.communicator import Communicator
 from ..base.errors import CommError, where
 from ..base.options import options
 from ..base.reduce_ops import ReduceOp
+from ..core.communicator import Communicator
 from . import shm_window
 from ._base import finish_reduce
 from .shm_reduce import Combine, combiner

@@ -7,8 +7,8 @@ from mpi4py import MPI
 
 from ..base import accounting
 from ..base.buffers import Buf, adapt
-from ..core.communicator import Communicator
 from ..base.errors import CommError, where
+from ..core.communicator import Communicator
 from ._base import after, blocking, resolve
 from .work import Work
 

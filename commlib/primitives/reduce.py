@@ -7,8 +7,8 @@ from mpi4py import MPI
 
 from ..base import accounting
 from ..base.buffers import Buf, adapt
-from ..core.communicator import Communicator
 from ..base.reduce_ops import ReduceOp, as_reduce_op, mpi_op
+from ..core.communicator import Communicator
 from ._base import call_blocking, finish_reduce, resolve
 from .work import Work
 

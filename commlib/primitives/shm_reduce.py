@@ -3,13 +3,13 @@ order (bool ops as logical ones, bfloat16/float16 widened to float32 and rounded
 :mod:`commlib.primitives.node_shm` describes."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..base.dtypes import DType, f32_to_bf16
 from ..base.reduce_ops import ReduceOp
-
 
 _LOGICAL = {ReduceOp.SUM: np.logical_or, ReduceOp.MAX: np.logical_or,
             ReduceOp.BOR: np.logical_or, ReduceOp.MIN: np.logical_and,

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..base.options import options
 from ..core import exits
 from ..core.communicator import Communicator
-from ..base.options import options
 
 
 class NodeWindow:
@@ -89,9 +89,9 @@ class NodeWindow:
 
 #: Windows of communicators freed while this rank was leaving (:func:`commlib.core.exits.leaving`)
 #: or failed: never freed (``MPI_Win_free`` is collective), kept referenced until the end.
-RETIRED: list["NodeWindow"] = []
+RETIRED: list[NodeWindow] = []
 
-_WINDOWS: "weakref.WeakKeyDictionary[Communicator, NodeWindow | None]" = \
+_WINDOWS: weakref.WeakKeyDictionary[Communicator, NodeWindow | None] = \
     weakref.WeakKeyDictionary()
 
 

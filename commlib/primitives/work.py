@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Generator, Iterator
 from time import monotonic, perf_counter, sleep
-from typing import Any, Generator, Iterator
+from typing import Any
 
 from mpi4py import MPI
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .config import BACKENDS, Config, check_backend, parse_algorithm_config
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 BACKENDS = ("commlib", "gloo")
 DEFAULT_ALGORITHM = "gradient_allreduce"
@@ -28,7 +29,7 @@ class Config:
     verbose: bool = False
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "Config":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Config:
         env = os.environ if environ is None else environ
         return cls(algorithm=env.get("COMMLIB_ALGORITHM") or DEFAULT_ALGORITHM,
                    algorithm_config=parse_algorithm_config(

@@ -118,8 +118,8 @@ def end_of_training(clean: bool, reason: str = "end of training",
         exits.announce_exit()
     import numpy as np
 
-    from ..primitives import allreduce
     from ..base.reduce_ops import ReduceOp
+    from ..primitives import allreduce
     wrappers = live()
     agreed = np.array([len(wrappers), -len(wrappers)], dtype=np.int64)
     allreduce(agreed, ReduceOp.MIN)

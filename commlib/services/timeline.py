@@ -26,13 +26,14 @@ import json
 import marshal
 import os
 import threading
-from time import perf_counter, time
+from collections.abc import Iterable
 from threading import get_ident
-from typing import Any, Iterable
+from time import perf_counter, time
+from typing import Any
 
 from ..base import accounting
-from ..core import runtime
 from ..base.options import options
+from ..core import runtime
 from ..primitives import barrier
 
 FLUSH_EVERY = 4096  # events buffered before they are written

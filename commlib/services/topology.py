@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import socket
 import zlib
+from collections.abc import Sequence
 from itertools import combinations, product
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 AXES = ("dp", "pp", "tp")
 
@@ -135,8 +136,8 @@ class Topology(Grid):
         import numpy as np
 
         from .. import primitives
-        from ..core import runtime
         from ..base.options import options
+        from ..core import runtime
         runtime.init()
         world = runtime.get_world_size()
         rank = runtime.get_rank()

@@ -11,8 +11,9 @@ chunk, ``torch.split``), which is reduce-scattered into ``shard.grad``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

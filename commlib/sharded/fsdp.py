@@ -32,7 +32,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -289,7 +290,7 @@ class FullyShardedDataParallel(ChunkSchedule, WrapperUtilities, nn.Module):
                                f"was closed")
         return self._gather_engine.submit(fn, *args).result()
 
-    def _wrappers(self) -> list["FullyShardedDataParallel"]:
+    def _wrappers(self) -> list[FullyShardedDataParallel]:
         """This wrapper and every wrapper nested in it, outermost first."""
         out = [self]
         for _, w in self._nested:

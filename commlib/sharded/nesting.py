@@ -17,8 +17,8 @@ from torch import nn
 
 # what live wrappers shard: id(original parameter) -> its Slot (weak: gone with the
 # wrapper), and module -> a weak reference to the wrapper that registered hooks on it
-_PARAMS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_MODULES: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_PARAMS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_MODULES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def register(chunks: list[Any], wrapper: Any) -> None:

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from ..base.options import options
-from ..primitives import allgather, alltoall, group_from_ranks, reduce_scatter
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allgather, alltoall, group_from_ranks, reduce_scatter
 
 #: elements per quantization block (DeepSpeed's ZeRO++ default group size is 2048 too)
 DEFAULT_BLOCK = 2048
@@ -49,7 +49,7 @@ LEVELS = {"int8": 255, "int4": 15}
 
 
 def _kernels() -> Any:
-    from .. import kernels   # imported on first use (Numba compiles on first load)
+    from .. import kernels  # imported on first use (Numba compiles on first load)
     return kernels
 
 

@@ -10,7 +10,8 @@ the wrapper hands it its chunks and two callables (gather a chunk, put views bac
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -12,14 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..primitives import allgather, allreduce, reduce_scatter
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allgather, allreduce, reduce_scatter
 from .chunks import Chunk
 from .quantized import hierarchical_reduce_scatter, quantized_reduce_scatter, start_allgather
 
 # id(chunk.full) -> chunk, for every live wrapper: a saved-tensor hook of any wrapper
 # (nested forwards) recognizes any wrapper's parameters
-FULLS: "weakref.WeakValueDictionary[int, Chunk]" = weakref.WeakValueDictionary()
+FULLS: weakref.WeakValueDictionary[int, Chunk] = weakref.WeakValueDictionary()
 
 
 class ChunkSchedule:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..primitives import allgather, allreduce, broadcast
 from ..base.reduce_ops import ReduceOp
+from ..primitives import allgather, allreduce, broadcast
 from . import state as _state
 from .chunks import Chunk
 from .config import ShardingStrategy

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
+from ..base.reduce_ops import ReduceOp
 from ..core import runtime
 from ..ddp.engine import Engine
 from ..primitives import allgather, allreduce, broadcast, new_group, reduce_scatter
-from ..base.reduce_ops import ReduceOp
 from . import flat_partition as fp
 from . import zero_state
 from .groups import resolve_group, wait_poll_s
@@ -160,7 +161,7 @@ class ZeroRedundancyOptimizer(ZeroStateDict, torch.optim.Optimizer):
                 return   # a thread still inside MPI: leave its communicator be
             self.process_group.free()
 
-    def __enter__(self) -> "ZeroRedundancyOptimizer":
+    def __enter__(self) -> ZeroRedundancyOptimizer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -29,9 +29,9 @@ def collect() -> dict[str, Any]:
     from mpi4py import MPI
 
     from .. import __version__
-    from ..core import runtime
     from ..base.accelerator import cuda_aware, cuda_usable
     from ..base.options import options
+    from ..core import runtime
 
     world = runtime.world()
     aware, how = cuda_aware(options.cuda_aware)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .. import primitives as P
-from ..core import runtime
 from ..base.reduce_ops import ReduceOp
+from ..core import runtime
 
 
 def _data(rank: int, numel: int) -> np.ndarray:

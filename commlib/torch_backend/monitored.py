@@ -18,7 +18,6 @@ nothing matched are cancelled, so the group stays usable.
 from __future__ import annotations
 
 from time import monotonic
-from typing import Any
 
 import numpy as np
 import torch.distributed as dist

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..primitives import recv as commlib_recv, recv_any, send as commlib_send
+from ..primitives import recv as commlib_recv
+from ..primitives import recv_any
+from ..primitives import send as commlib_send
 from . import profiling
 from .convert import dense, where
 from .work import CommlibWork, track

@@ -20,7 +20,8 @@ semantics (:func:`.convert.integer_average`); sparse tensors go to :mod:`.sparse
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,18 @@ from .. import primitives as P
 from ..base.options import options
 from ..primitives import Group
 from . import monitored, p2p, profiling, progress
-from .convert import (as_list, check_count, check_list, dense, flatten, one, overlaps,
-                      unflatten, unsupported, where)
+from .convert import (
+    as_list,
+    check_count,
+    check_list,
+    dense,
+    flatten,
+    one,
+    overlaps,
+    unflatten,
+    unsupported,
+    where,
+)
 from .deadlines import GroupDeadlines, seconds
 from .reductions import Reductions
 from .work import CommlibWork, done

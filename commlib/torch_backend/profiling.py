@@ -27,7 +27,8 @@ of the forked function.)
 """
 import itertools
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch._C._autograd import _profiler_enabled

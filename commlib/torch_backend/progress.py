@@ -21,12 +21,12 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch._C._distributed_c10d import Work
-
 import torch.distributed as dist
+from torch._C._distributed_c10d import Work
 
 from ..core import runtime
 from ..mpi import shutdown

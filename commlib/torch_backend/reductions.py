@@ -14,8 +14,19 @@ import torch.distributed as dist
 from .. import primitives as P
 from ..base.reduce_ops import ReduceOp
 from . import profiling, sparse
-from .convert import (as_list, check_count, check_list, dense, divide_truncating, flatten,
-                      integer_average, one, overlaps, reduce_op, unflatten)
+from .convert import (
+    as_list,
+    check_count,
+    check_list,
+    dense,
+    divide_truncating,
+    flatten,
+    integer_average,
+    one,
+    overlaps,
+    reduce_op,
+    unflatten,
+)
 from .work import done
 
 _SUM = ReduceOp.SUM

@@ -6,9 +6,9 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from ..base.errors import CommError
 from ..core import runtime
 from ..mpi import shutdown
-from ..base.errors import CommError
 from ..primitives import allgather, group_from_ranks, new_group
 from . import BACKEND_NAME, stale_groups
 from .process_group import ProcessGroupCommlib

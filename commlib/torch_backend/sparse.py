@@ -13,7 +13,8 @@ disagree on the size or dtype all raise the same ``ValueError`` instead of hangi
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

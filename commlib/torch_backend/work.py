@@ -21,7 +21,8 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._C._distributed_c10d import Work

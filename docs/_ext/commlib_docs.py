@@ -369,7 +369,7 @@ class AlgorithmDirective(SphinxDirective):
                     if p.default is not p.empty}
         ranks = int(self.options.get("ranks", 8))
         try:
-            import cost_model_formulas as formulas   # benchmarks/ (conf.py's sys.path)
+            import cost_model_formulas as formulas  # benchmarks/ (conf.py's sys.path)
             ratio = formulas.bytes_ratio(name, defaults, ranks=ranks) \
                 if name in formulas.MODELLED else None
         except Exception as exc:  # the model cannot price these arguments

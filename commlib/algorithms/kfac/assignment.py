@@ -5,7 +5,7 @@ assignment without communicating.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .layers import KFACLayer
 

@@ -29,7 +29,8 @@ Subclasses decide where factors and inverses live and what travels (:meth:`_upda
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,7 +38,8 @@ from ...primitives.finite import all_finite
 from ..base import Context
 from ..gradient_allreduce import GradientAllReduce
 from . import inverses, saving
-from .assignment import METHODS as ASSIGNMENTS, assign
+from .assignment import METHODS as ASSIGNMENTS
+from .assignment import assign
 from .factors import FactorCapture
 from .kl_clip import clip_scale, inner_products, scale_for
 from .layers import KFACLayer, find_layers

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from ...base.errors import NonFiniteError
+from ...base.reduce_ops import ReduceOp
 from ...primitives import allgather_v, allreduce
 from ...primitives.finite import all_finite
-from ...base.reduce_ops import ReduceOp
 from .. import state
 from ..base import Context
 from ..buckets import build

@@ -14,8 +14,9 @@ factor of the whole batch, which is what lets ``d_kfac`` average factors with an
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -3,7 +3,7 @@ step's predicted change of the model distribution stays below ``kl_clip``."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

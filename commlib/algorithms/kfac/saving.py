@@ -2,7 +2,8 @@
 :meth:`~commlib.algorithms.Algorithm.state_dict` holds besides the iteration count."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .. import state
 from . import inverses

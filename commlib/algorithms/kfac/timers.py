@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 PHASES = ("factors", "inverses", "precondition", "communication")
 

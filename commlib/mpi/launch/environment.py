@@ -39,7 +39,7 @@ import dataclasses
 import os
 import re
 import socket
-from typing import Mapping
+from collections.abc import Mapping
 
 from ...base.options import LAUNCH_VARIABLES
 

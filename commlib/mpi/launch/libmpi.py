@@ -23,6 +23,7 @@ def import_mpi_uninitialized() -> Any:
     Raises RuntimeError if MPI is already initialized (``mpi4py.MPI`` was imported
     before, with mpi4py's defaults)."""
     import sys
+
     import mpi4py
     if "mpi4py.MPI" in sys.modules:
         MPI = sys.modules["mpi4py.MPI"]

@@ -24,7 +24,8 @@ import datetime
 import os
 import secrets
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def _text(value: Any) -> str:

@@ -46,7 +46,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import environment, libmpi
 from .environment import Job
@@ -125,7 +126,7 @@ class StoreWorld:
         self.bootstrap_s = 0.0
         self.timings: dict[str, float] = {}
         self.thread_level = -1
-        self._polls: list[Callable[["StoreWorld"], None]] = []
+        self._polls: list[Callable[[StoreWorld], None]] = []
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="commlib-launch-monitor",
                                          daemon=True)
@@ -143,7 +144,7 @@ class StoreWorld:
         """``store.<method>(*args)``, serialized with commlib's own use of the client."""
         return self.space._call(method, *args)
 
-    def on_poll(self, callback: Callable[["StoreWorld"], None]) -> None:
+    def on_poll(self, callback: Callable[[StoreWorld], None]) -> None:
         self._polls.append(callback)
 
     # -- monitor -----------------------------------------------------------------------
