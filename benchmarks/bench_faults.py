@@ -300,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                                  spares) for _ in range(args.runs)]
             report["recovery"] += runs
             ok = [r for r in runs if r["ok"]]
-            span = (lambda k: f"{min(r[k] for r in ok):.2f}-{max(r[k] for r in ok):.2f}"
-                    if ok else "-")
+
+            def span(k: str) -> str:
+                return f"{min(r[k] for r in ok):.2f}-{max(r[k] for r in ok):.2f}" if ok else "-"
+
             how = f"warm spare ({spares})" if spares else "spawned" if replace else "none"
             print(f"| {n} | {model} | {how} | {len(ok)}/{len(runs)} "
                   f"| {span('kill_to_next_step_s')} "

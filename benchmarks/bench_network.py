@@ -188,11 +188,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     names = list(next(iter(result["rates_mbit"].values())))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in names:
-        axes[0].plot(labels, [result["rates_mbit"][l][name]["step_s"] for l in labels],
+        axes[0].plot(labels, [result["rates_mbit"][r][name]["step_s"] for r in labels],
                      marker="o", label=name)
         if result["rates_mbit"][labels[0]][name]["bus_bytes_per_step"] is not None:
-            axes[1].plot(labels, [result["rates_mbit"][l][name]["bus_bytes_per_step"] / 1e6
-                                  for l in labels], marker="o", label=name)
+            axes[1].plot(labels, [result["rates_mbit"][r][name]["bus_bytes_per_step"] / 1e6
+                                  for r in labels], marker="o", label=name)
     axes[0].set(yscale="log", xlabel="link rate (Mbit/s)", ylabel="step time (s)",
                 title=f"step time, {result['ranks']} ranks, one shared link")
     axes[1].set(yscale="log", xlabel="link rate (Mbit/s)", ylabel="bus MB per step (rank 0)",

@@ -101,10 +101,27 @@ import _common as C  # noqa: E402
 
 # the model's parts, re-exported: the formulas, the validation on the emulated runs, the
 # predictions at scale and the recommendation
-from cost_model_formulas import MODELLED, PEER, SYNC, WIRE, Cluster, Tier, bytes_ratio, comm_time  # noqa: E402,F401
+from cost_model_formulas import (  # noqa: E402,F401
+    MODELLED,
+    PEER,
+    SYNC,
+    WIRE,
+    Cluster,
+    Tier,
+    bytes_ratio,
+    comm_time,
+)
 from cost_model_report import emulated_recommendation  # noqa: E402
 from cost_model_report import markdown as report_markdown  # noqa: E402
-from cost_model_scale import GPT, SCALE, contender_args, plot, predict, recommend, steps_ratio  # noqa: E402,F401
+from cost_model_scale import (  # noqa: E402,F401
+    GPT,
+    SCALE,
+    contender_args,
+    plot,
+    predict,
+    recommend,
+    steps_ratio,
+)
 from cost_model_validate import (  # noqa: E402,F401
     _load,
     calibrate,

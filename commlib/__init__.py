@@ -120,7 +120,7 @@ from .primitives import (
     world,
 )
 from .primitives import group_from_ranks as new_subgroup
-from .services import timeline  # registers its start at init() (COMMLIB_TIMELINE)
+from .services import timeline  # noqa: F401 - registers its start at init() (COMMLIB_TIMELINE)
 from .torch_backend import hook as _torch_hook
 
 # Under mpiexec: the exit paths armed (an exception aborts the job, a rank that leaves alone

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, ContextManager
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from ._cuda import load_cuda
 from ._layout import HEADER_NBYTES, Layout, pack_header
 
 
-def on_device(obj: Any, kind: str) -> ContextManager:
+def on_device(obj: Any, kind: str) -> contextlib.AbstractContextManager:
     """Make ``obj``'s GPU current (nothing to do for host arrays)."""
     if not A.is_gpu(obj, kind):
         return contextlib.nullcontext()

@@ -24,7 +24,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import commlib  # noqa: E402
-from algo_harness import BUCKET_MB, batch_indices, digits, model, param_groups, wait_for_rounds  # noqa: E402
+from algo_harness import (  # noqa: E402
+    BUCKET_MB,
+    batch_indices,
+    digits,
+    model,
+    param_groups,
+    wait_for_rounds,
+)
 from commlib.algorithms.qadam import QAdamOptimizer  # noqa: E402
 
 KFAC = dict(factor_update_steps=2, inv_update_steps=3, damping=0.01, kl_clip=1e-3)

@@ -29,7 +29,14 @@ import torch.nn.functional as F  # noqa: E402
 
 import broken_algorithms as broken  # noqa: E402
 import commlib  # noqa: E402
-from algo_harness import BUCKET_MB, batch_indices, digits, gathered, model, param_groups  # noqa: E402
+from algo_harness import (  # noqa: E402
+    BUCKET_MB,
+    batch_indices,
+    digits,
+    gathered,
+    model,
+    param_groups,
+)
 from commlib.algorithms.buckets import pack  # noqa: E402
 from commlib.primitives import ring_neighbors, shift_one_peer  # noqa: E402
 

@@ -13,7 +13,14 @@ torch = pytest.importorskip("torch")
 require("sklearn")
 import broken_algorithms as broken  # noqa: E402
 import commlib  # noqa: E402
-from algo_harness import bus_bytes, gathered, param_groups, same_everywhere, train, wait_for_rounds  # noqa: E402
+from algo_harness import (  # noqa: E402
+    bus_bytes,
+    gathered,
+    param_groups,
+    same_everywhere,
+    train,
+    wait_for_rounds,
+)
 from commlib.algorithms.qadam import QAdamOptimizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")

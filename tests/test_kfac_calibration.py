@@ -12,7 +12,12 @@ import torch.nn.functional as F  # noqa: E402
 
 import commlib  # noqa: E402
 from test_kfac_dist import LR, build, kfac_modules, shard  # noqa: E402
-from test_kfac_math import ReferenceKFAC, grad_matrix, reference_factors, set_grad_matrix  # noqa: E402
+from test_kfac_math import (  # noqa: E402
+    ReferenceKFAC,
+    grad_matrix,
+    reference_factors,
+    set_grad_matrix,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 

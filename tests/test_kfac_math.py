@@ -133,13 +133,13 @@ def per_example_fisher(m: nn.Module, model, x, y, loss_fn) -> torch.Tensor:
 
 
 def capture_factors(model, layer_names, x, y, loss_fn):
-    layers = [l for l in find_layers(model) if l.name in layer_names]
+    layers = [ly for ly in find_layers(model) if ly.name in layer_names]
     cap = FactorCapture(layers, Timers())
     cap.armed = True
     loss_fn(model(x), y).backward()
     cap.remove()
     model.zero_grad()
-    return {l.name: (cap.batch_factor(l, "A"), cap.batch_factor(l, "G")) for l in layers}
+    return {ly.name: (cap.batch_factor(ly, "A"), cap.batch_factor(ly, "G")) for ly in layers}
 
 
 def mse(out, y):
@@ -236,8 +236,8 @@ def test_find_layers_registers_linear_and_conv_in_module_order():
                           nn.LayerNorm(2), nn.Linear(2, 2))
     model[6].weight.requires_grad_(False)
     layers = find_layers(model)
-    assert [(l.name, l.d_in, l.d_out) for l in layers] == [("0", 36, 4), ("4", 9, 2)]
-    assert [l.index for l in layers] == [0, 1]
+    assert [(ly.name, ly.d_in, ly.d_out) for ly in layers] == [("0", 36, 4), ("4", 9, 2)]
+    assert [ly.index for ly in layers] == [0, 1]
 
 
 def test_write_grad_is_in_place_and_keeps_none():
@@ -341,7 +341,7 @@ def test_greedy_is_within_the_lpt_bound_of_the_best_assignment(dims, n):
     owners = assign(layers, n)
     assert owners == assign(layers, n)  # deterministic
     assert all(0 <= r < n for r in owners)
-    costs = [inversion_cost(l) for l in layers]
+    costs = [inversion_cost(ly) for ly in layers]
 
     def makespan(own):
         return max(sum(c for c, r in zip(costs, own) if r == k) for k in range(n))

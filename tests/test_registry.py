@@ -7,7 +7,13 @@ import pytest
 
 pytest.importorskip("torch")
 import commlib  # noqa: E402
-from commlib.algorithms import Algorithm, available, get, register, reload_entry_points  # noqa: E402
+from commlib.algorithms import (  # noqa: E402
+    Algorithm,
+    available,
+    get,
+    register,
+    reload_entry_points,
+)
 
 
 def test_builtin_is_available():

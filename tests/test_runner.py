@@ -216,7 +216,8 @@ def test_engine_keeps_no_finished_job_alive():
     engine = Engine(threaded=True)
     try:
         owner = Owner()
-        engine.submit(lambda: owner).result()
+        # a closure over owner, run before the del below (F821 sees only the del)
+        engine.submit(lambda: owner).result()  # noqa: F821
         ref = weakref.ref(owner)
         del owner
         for _ in range(200):  # the thread returns from the job just after resolving it

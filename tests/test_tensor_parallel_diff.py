@@ -243,7 +243,7 @@ def run_model_case(case, group):
 
 def test_shard_model_matches_one_process(tp_groups):
     n = commlib.get_world_size()
-    total, sharded = 0, 0
+    total = 0
     for k, group in tp_groups:
         for i in range(int(MODEL_CASES.get(n, 20) * SCALE)):
             case = model_case(10000 * n + 1000 * k + i)

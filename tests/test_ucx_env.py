@@ -72,13 +72,13 @@ def test_fault_tolerant_mode_turns_intra_node_rndv_off_or_says_so(how):
     got = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", CODE], env=env,
                          capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stdout + got.stderr
-    lines = [l for l in got.stdout.splitlines() if l.startswith("rank")]
+    lines = [line for line in got.stdout.splitlines() if line.startswith("rank")]
     assert len(lines) == 2, got.stdout + got.stderr
     if how == "environment":   # set before MPI started; nothing to warn about
-        assert all(l.endswith("RNDV intra:inf,inter:auto") for l in lines), lines
+        assert all(line.endswith("RNDV intra:inf,inter:auto") for line in lines), lines
         assert "rendezvous" not in got.stderr, got.stderr
     else:                      # too late to change: both ranks say so, and how to fix it
-        assert all(l.endswith("RNDV None") for l in lines), lines
+        assert all(line.endswith("RNDV None") for line in lines), lines
         assert got.stderr.count("fault-tolerant mode with UCX's rendezvous") == 2, got.stderr
         assert "COMMLIB_FAULT_TOLERANT=1" in got.stderr
 

@@ -18,11 +18,10 @@ def named_parameters(optimizer_groups: list, named_parameters: Any) -> list:
         (dups if k in seen else seen).add(k)
     if dups:
         raise ValueError("Parameter names in named_parameters must be unique. Found "
-                         "duplicates: %s" % ", ".join(sorted(dups)))
+                         f"duplicates: {', '.join(sorted(dups))}")
     all_ids = {id(v) for g in optimizer_groups for v in g["params"]}
     unnamed = all_ids - {id(v) for _, v in named}
     if unnamed:
         raise ValueError("named_parameters was specified, but one or more model parameters "
-                         "were not named. Python object ids: %s"
-                         % ", ".join(str(i) for i in unnamed))
+                         f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
     return named

@@ -134,17 +134,28 @@ def generate(name: str, ranks: int, micro_batches: int, chunks: int = 2) -> Sche
         raise ValueError(f"commlib.pipeline: argument 'schedule'={name!r} must be one of "
                          f"{SCHEDULES}")
     sched = Schedule(name, d, stages, m, placement, micros)
+    # limit(p, s): the micro-batches stage s of pipeline p may hold at once; prio(kind, p,
+    # i, s): the order of the ready actions (the smallest first)
     if name == "gpipe":
-        limit: Callable[[int, int], int] = lambda p, s: m
-        prio = lambda k, p, i, s: (k == "backward", i, p)    # forwards first
+        def limit(p: int, s: int) -> int:
+            return m
+
+        def prio(k: str, p: int, i: int, s: int) -> tuple:
+            return (k == "backward", i, p)  # forwards first
     elif name == "interleaved":
         # Megatron-LM's order: groups of D micro-batches, chunk by chunk
-        limit = lambda p, s: m
-        prio = lambda k, p, i, s: (k == "forward", i // d,
-                                   s // d if k == "forward" else chunks - 1 - s // d, i % d)
+        def limit(p: int, s: int) -> int:
+            return m
+
+        def prio(k: str, p: int, i: int, s: int) -> tuple:
+            return (k == "forward", i // d,
+                    s // d if k == "forward" else chunks - 1 - s // d, i % d)
     else:
-        limit = lambda p, s: stages - s                       # 1F1B per pipeline
-        prio = lambda k, p, i, s: (k == "forward", i, p)     # backward first
+        def limit(p: int, s: int) -> int:
+            return stages - s  # 1F1B per pipeline
+
+        def prio(k: str, p: int, i: int, s: int) -> tuple:
+            return (k == "forward", i, p)  # backward first
     timeline = _timeline(sched, prio, limit)
     sched.actions = [_with_messages(sched, r, timeline[r]) for r in range(d)]
     return sched

@@ -204,7 +204,7 @@ class Hierarchy:
         mine = members[int(keys[group.rank])]
         local = mine.index(group.rank)
         self.size, self.nodes, self.local_size = n, len(nodes), m
-        self.order = [members[v][l] for l in range(m) for v in nodes]
+        self.order = [members[v][j] for j in range(m) for v in nodes]
         self.node = group_from_ranks([group.ranks[p] for p in mine], group)
         self.cross = group_from_ranks([group.ranks[members[v][local]] for v in nodes], group)
 

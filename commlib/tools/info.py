@@ -42,7 +42,7 @@ def collect() -> dict[str, Any]:
         "commlib": __version__,
         "python": platform.python_version(),
         "mpi_library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": mpi4py.__version__,
         "thread_level": THREAD_LEVELS.get(level, str(level)),
         "cuda_aware": aware,

@@ -146,7 +146,7 @@ def _summarise_collectives(data: dict) -> str:
     text = f"{data.get('label', '')}. {_env_line(env)}.\n\n"
     argv = env.get("argv")
     if argv:
-        text += "Made by::\n\n    mpiexec -n %s python %s\n\n" % (env.get("ranks", "N"), " ".join(argv))
+        text += f"Made by::\n\n    mpiexec -n {env.get('ranks', 'N')} python {' '.join(argv)}\n\n"
     rows = [[r.get("op"), _fmt(r.get("added_us")), _fmt(r.get("geomean_ratio")),
              _fmt(r.get("min_ratio")), _fmt(r.get("min_ratio_bytes")), r.get("latency"),
              r.get("bandwidth")] for r in data.get("summary", [])]

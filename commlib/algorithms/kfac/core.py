@@ -243,10 +243,10 @@ class KFAC(GradientAllReduce):
     # -- for subclasses ------------------------------------------------------------------
     def owned(self) -> list[KFACLayer]:
         """The layers this rank owns, in layer order."""
-        return [l for l, r in zip(self._layers, self._owners) if r == self._rank]
+        return [ly for ly, r in zip(self._layers, self._owners) if r == self._rank]
 
     def owned_by(self, rank: int) -> list[KFACLayer]:
-        return [l for l, r in zip(self._layers, self._owners) if r == rank]
+        return [ly for ly, r in zip(self._layers, self._owners) if r == rank]
 
     def _plain(self, layer: KFACLayer) -> torch.Tensor | None:
         """The averaged gradient matrix when KL clipping needs it, else ``None``."""
@@ -291,7 +291,7 @@ def _nbytes(tensors: Any) -> int:
 
 
 def _check_uniform(layers: list[KFACLayer]) -> None:
-    kinds = {(l.module.weight.dtype, l.module.weight.device) for l in layers}
+    kinds = {(ly.module.weight.dtype, ly.module.weight.device) for ly in layers}
     if len(kinds) > 1:
         raise ValueError(f"K-FAC: every Linear/Conv2d layer must have the same dtype and "
                          f"device (their second-order data travels in one buffer), got {kinds}")

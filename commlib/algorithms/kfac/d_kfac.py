@@ -48,7 +48,7 @@ class DKFAC(KFAC):
         self._buckets = build(named, ctx.bucket_cap_bytes)
         by_name = {n: v for b in self._buckets for n, v in zip(b.names, b.views)}
         self._factors: dict[int, list[torch.Tensor]] = {
-            l.index: [by_name[f"{l.index}.A"], by_name[f"{l.index}.G"]] for l in self._layers}
+            ly.index: [by_name[f"{ly.index}.A"], by_name[f"{ly.index}.G"]] for ly in self._layers}
         self._inverses: dict[int, list[torch.Tensor]] = {}
 
     def _factor_items(self) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
@@ -101,7 +101,7 @@ class DKFAC(KFAC):
         self._inverses = {}
         for rank, piece in enumerate(pieces):
             layers = self.owned_by(rank)
-            shapes = [inverse_shapes(self.inverse, l.d_in, l.d_out) for l in layers]
+            shapes = [inverse_shapes(self.inverse, ly.d_in, ly.d_out) for ly in layers]
             for layer, inverse in zip(layers, views(piece, shapes)):
                 self._inverses[layer.index] = inverse
 

@@ -44,9 +44,9 @@ class DPKFAC(KFAC):
         self._inverses: dict[int, list[torch.Tensor]] = {}
         owned = self.owned()
         like = self._layers[0].module.weight if self._layers else torch.empty(0)
-        self._send = torch.zeros(sum(l.grad_numel for l in owned), dtype=like.dtype,
+        self._send = torch.zeros(sum(ly.grad_numel for ly in owned), dtype=like.dtype,
                                  device=like.device)
-        self._send_views = [v for v, in views(self._send, [[(l.d_out, l.d_in)] for l in owned])]
+        self._send_views = [v for v, in views(self._send, [[(ly.d_out, ly.d_in)] for ly in owned])]
 
     def _factor_items(self) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
         return [(i, tuple(ag)) for i, ag in self._factors.items()]
@@ -95,7 +95,7 @@ class DPKFAC(KFAC):
         results = []
         for rank, piece in enumerate(pieces):
             layers = self.owned_by(rank)
-            for layer, (v,) in zip(layers, views(piece, [[(l.d_out, l.d_in)] for l in layers])):
+            for layer, (v,) in zip(layers, views(piece, [[(ly.d_out, ly.d_in)] for ly in layers])):
                 results.append((layer, v, self._plain(layer)))
         results.sort(key=lambda r: r[0].index)
         return results

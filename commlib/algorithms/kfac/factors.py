@@ -39,8 +39,8 @@ class FactorCapture:
         self.armed = False
         self.g_scale = 1.0  # G is multiplied by it (undoes loss scaling and loss / k)
         self.peak_bytes = 0  # largest total of accumulators seen by record_peak
-        self._handles = [l.module.register_forward_hook(partial(self._on_forward, l))
-                         for l in self.layers]
+        self._handles = [ly.module.register_forward_hook(partial(self._on_forward, ly))
+                         for ly in self.layers]
         self.clear()
 
     def clear(self) -> None:

@@ -15,7 +15,7 @@ KFAC = Any
 def save(algo: KFAC) -> dict[str, Any]:
     """The layers and owners (checked on load), the number of factor updates, and the
     running factors and the inverses this rank holds, by layer name."""
-    return {"layers": [[l.name, l.d_in, l.d_out] for l in algo._layers],
+    return {"layers": [[ly.name, ly.d_in, ly.d_out] for ly in algo._layers],
             "owners": list(algo._owners), "inverse": algo.inverse,
             "factor_updates": algo._factor_updates,
             "factors": {name: list(ag) for name, ag in algo.held_factors().items()},
@@ -28,13 +28,13 @@ def load(algo: KFAC, saved: Mapping[str, Any], where: str) -> None:
     state.check_keys(where, saved, ("layers", "owners", "inverse", "factor_updates",
                                     "factors", "inverses"))
     state.check_same(where, "the K-FAC layers (name, d_in, d_out)",
-                     [list(l) for l in saved["layers"]],
-                     [[l.name, l.d_in, l.d_out] for l in algo._layers])
+                     [list(ly) for ly in saved["layers"]],
+                     [[ly.name, ly.d_in, ly.d_out] for ly in algo._layers])
     state.check_same(where, "the owners of the layers", list(saved["owners"]),
                      list(algo._owners))
     state.check_same(where, "inverse", saved["inverse"], algo.inverse)
-    by_name = {l.name: l for l in algo._layers}
-    mine = {l.name for l in algo._captured_layers()}
+    by_name = {ly.name: ly for ly in algo._layers}
+    mine = {ly.name for ly in algo._captured_layers()}
     dtype = algo._layers[0].module.weight.dtype if algo._layers else None
     if algo.holds_every_factor:
         state.check_same(where, "the layers whose factors are held",
