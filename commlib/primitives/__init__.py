@@ -7,11 +7,11 @@ from .barrier import barrier
 from .broadcast import broadcast
 from .compressed import CompressionState, compressed_allreduce
 from .decentralized import (
-                            PEER_MODES,
-                            compressed_ring_exchange,
-                            peer_average,
-                            ring_neighbors,
-                            shift_one_peer,
+    PEER_MODES,
+    compressed_ring_exchange,
+    peer_average,
+    ring_neighbors,
+    shift_one_peer,
 )
 from .gather import gather
 from .group import Group, group_from_ranks, new_group, world
