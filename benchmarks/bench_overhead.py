@@ -95,9 +95,9 @@ def summarize(old_glob: str, new_glob: str, out: Path | None) -> None:
 
 
 def contenders(count: int, use_torch: bool, raw: Any) -> dict[str, Callable[[], Any]]:
-    from mpi4py import MPI
-
     import commlib
+    # isort: split
+    from mpi4py import MPI
     arr = np.zeros(count, np.float32)
     msg = [arr, count, MPI.FLOAT]
     fns: dict[str, Callable[[], Any]] = {
@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         summarize(*args.summarize, args.json)
         return 0
-    from mpi4py import MPI
-
     import commlib
+    # isort: split
+    from mpi4py import MPI
     commlib.init()
     use_torch = not args.no_torch
     if use_torch:

@@ -70,9 +70,11 @@ def eth0_tx() -> int:
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
+
+    import commlib  # before mpi4py.MPI (it prepares MPI's environment)
+    # isort: split
     from mpi4py import MPI
 
-    import commlib
     import gpt
     from commlib.mpi.mpi_env import _node
     # --wait auto: the library's rule (the emulated nodes are one machine: it polls when

@@ -53,9 +53,10 @@ def best_ns(fns: dict[str, Callable[[], Any]], number: int, repeat: int) -> dict
 
 def steps(count: int, use_torch: bool) -> dict[str, Callable[[], Any]]:
     """The full allreduce, its raw peer, and each step of commlib's allreduce path."""
+    import commlib
+    # isort: split
     from mpi4py import MPI
 
-    import commlib
     from commlib.base import buffers
     from commlib.base.reduce_ops import ReduceOp, mpi_op
     from commlib.core import runtime

@@ -24,10 +24,11 @@ import sys
 import time
 
 T0 = time.time()
+import commlib  # noqa: E402
+
+# isort: split
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-
-import commlib  # noqa: E402
 
 
 def say(line: str) -> None:

@@ -27,12 +27,13 @@ import os
 import runpy
 import sys
 
+import commlib
+
+# isort: split
 import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-
-import commlib
 
 expect = sys.argv[1]
 env = os.environ

@@ -21,10 +21,11 @@ def gloo_threads() -> list[str]:
 
 atexit.register(lambda: print(f"rank {os.environ['RANK']} after commlib's exit handler: "
                               f"{gloo_threads()}", flush=True))
+import commlib  # noqa: E402,F401
+
+# isort: split
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import commlib  # noqa: E402,F401
 
 dist.init_process_group("gloo")
 torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # loads torch.distributed.nn

@@ -11,9 +11,9 @@ import sys
 
 order, backend, snapshot_dir = sys.argv[1:4]
 if order == "commlib-first":
-    import torch
-
     import commlib  # noqa: F401
+    # isort: split
+    import torch
 else:
     import torch
 

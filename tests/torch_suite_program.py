@@ -32,9 +32,10 @@ import time
 import traceback
 import unittest
 
-from mpi4py import MPI
-
 import commlib  # noqa: F401 - MPI up, RANK/WORLD_SIZE/MASTER_* set, backend registered
+
+# isort: split
+from mpi4py import MPI
 
 HARNESS = MPI.COMM_WORLD.Dup()
 RANK, SIZE = HARNESS.Get_rank(), HARNESS.Get_size()

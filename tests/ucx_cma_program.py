@@ -10,10 +10,11 @@ import signal
 import threading
 import time
 
+import commlib  # noqa: F401 (before mpi4py.MPI: chooses UCX's protocols)
+
+# isort: split
 import numpy as np
 from mpi4py import MPI
-
-import commlib  # noqa: F401 (before mpi4py.MPI: chooses UCX's protocols)
 
 comm = MPI.COMM_WORLD
 buf = np.ones(16 << 20, dtype=np.uint8)
