@@ -12,4 +12,6 @@ setup(
     packages=find_packages(include=["commlib", "commlib.*", "commlib_autoload"])
     + ["commlib.kernels"],
     package_dir={"commlib.kernels": "kernels"},
+    # PEP 561: the package's type hints are for its users' type checkers too
+    package_data={"commlib": ["py.typed"]},
 )

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(HERE)
 TOP_LEVEL = {"commlib", "commlib_autoload"}
 # not copied to the build: what a fresh checkout does not have (environments, build output)
 NOT_SOURCE = {".git", "build", "dist", "wheelhouse", ".hypothesis", ".pytest_cache",
-              "__pycache__"}
+              "__pycache__", ".mypy_cache", ".ruff_cache"}
 
 
 def _ignore(folder: str, names: list[str]) -> set[str]:
@@ -79,6 +79,8 @@ def test_wheel_holds_commlib_alone_with_the_kernels_under_it(wheel):
             assert set(listed) == TOP_LEVEL, listed
         record = zf.read(f"{dist_info}/RECORD").decode().splitlines()
         assert {line.split(",")[0].split("/")[0] for line in record} == TOP_LEVEL | {dist_info}
+    # PEP 561's marker: type checkers read the package's hints
+    assert "commlib/py.typed" in names, "commlib/py.typed is not in the wheel"
     kernels = {"commlib/kernels/" + f for f in _sources(os.path.join(ROOT, "kernels"))}
     assert {"commlib/kernels/__init__.py", "commlib/kernels/_api.py"} <= kernels
     assert not kernels - names, f"kernels missing from the wheel: {sorted(kernels - names)}"
