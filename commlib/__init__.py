@@ -13,11 +13,36 @@ arrays, ``group=None`` is the world, and ``async_op=True`` returns a :class:`Wor
 # The modules that once lay flat in this folder keep their names: ``commlib.errors``,
 # ``commlib.launch.world`` or ``python -m commlib.selftest`` are the modules below, the
 # same objects (sys.modules aliases, made on first import by _FormerNames).
+from __future__ import annotations
+
 import importlib as _importlib
 import importlib.abc as _abc
 import importlib.machinery as _machinery
 import importlib.util as _util
 import sys as _sys
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import CodeType, ModuleType
+
+    # what __getattr__ below loads on first use, for type checkers
+    from . import algorithms as algorithms
+    from . import elastic as elastic
+    from . import embedding as embedding
+    from . import nn as nn
+    from . import parallel as parallel
+    from . import pipeline as pipeline
+    from .ddp import DistributedDataParallel as DistributedDataParallel
+    from .embedding import EmbeddingCache as EmbeddingCache
+    from .embedding import LookaheadLoader as LookaheadLoader
+    from .embedding import ShardedEmbedding as ShardedEmbedding
+    from .embedding import ShardedEmbeddingBag as ShardedEmbeddingBag
+    from .services.topology import Grid as Grid
+    from .services.topology import Topology as Topology
+    from .sharded import FullyShardedDataParallel as FullyShardedDataParallel
+    from .sharded import ShardingStrategy as ShardingStrategy
+    from .sharded import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
 
 _MOVED = {
     **{m: "commlib.base." + m for m in ("errors", "options", "accounting", "dtypes",
@@ -43,7 +68,8 @@ def _new_name(fullname: str) -> str | None:
 class _FormerNames(_abc.MetaPathFinder, _abc.Loader):
     """``commlib.<former name>[.sub]`` is the module at its new place (the same object)."""
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> _machinery.ModuleSpec | None:
         new = _new_name(fullname)
         real = _util.find_spec(new) if new is not None else None
         if real is None:
@@ -51,13 +77,13 @@ class _FormerNames(_abc.MetaPathFinder, _abc.Loader):
         return _machinery.ModuleSpec(fullname, self, loader_state=new, origin=real.origin,
                                      is_package=real.submodule_search_locations is not None)
 
-    def create_module(self, spec):
+    def create_module(self, spec: _machinery.ModuleSpec) -> ModuleType:
         return _importlib.import_module(spec.loader_state)
 
-    def exec_module(self, module):
+    def exec_module(self, module: ModuleType) -> None:
         pass
 
-    def get_code(self, fullname):
+    def get_code(self, fullname: str) -> CodeType:
         # python -m commlib.<former name>: runs the module as __main__ in its own package
         return compile(f"import runpy\nrunpy.run_module({_new_name(fullname)!r}, "
                        "run_name='__main__', alter_sys=True)\n", fullname, "exec")
@@ -144,7 +170,7 @@ for _old, _new in _MOVED.items():
 del _old, _new
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _typing.Any:
     # torch-dependent layers load on first use, so numpy-only users never import torch.
     from importlib import import_module
     if name == "DistributedDataParallel":

@@ -60,6 +60,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..primitives.group import Group
 from . import state as saved_state
 from .buckets import Bucket, build
 
@@ -72,7 +73,7 @@ class Context:
     """What the wrapper shares with its algorithm (the same object for the whole run)."""
 
     module: torch.nn.Module
-    group: Any                       # commlib Group used by every collective of the run
+    group: Group                     # commlib Group used by every collective of the run
     named_parameters: list[tuple[str, torch.nn.Parameter]]
     bucket_cap_bytes: int | list[int]  # one cap, or one per bucket (the last repeats)
     submit: Callable[..., Any]       # run a job on the communication thread -> Future

@@ -31,7 +31,7 @@ from typing import Any
 
 _lock = threading.Lock()
 #: op -> [calls, bytes, bus_bytes, seconds of the calls counted by record_timed]
-_counters: dict[str, list] = {}
+_counters: dict[str, list[float]] = {}
 #: op -> seconds added by timed() (asynchronous operations, the shared-memory tier...)
 _seconds: dict[str, float] = {}
 #: the running :class:`commlib.services.timeline.Timeline`, or ``None`` (set by

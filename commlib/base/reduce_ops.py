@@ -97,7 +97,8 @@ def _user_op(name: str, op: ReduceOp) -> Any:
     return _user_ops[key]
 
 
-def _half_combiner(name: str, ufunc: Callable) -> Callable:
+def _half_combiner(name: str, ufunc: Callable[[np.ndarray, np.ndarray], np.ndarray]
+                   ) -> Callable[[Any, Any, Any], None]:
     if name == "bfloat16":
         widen, narrow = bf16_to_f32, f32_to_bf16
     else:

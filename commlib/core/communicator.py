@@ -66,8 +66,8 @@ class Communicator:
         self.poll_s = 0.0 if options.fault_tolerant else WAIT_POLL_S
         self.watchdog = watchdog
         self.name = name
-        self.rank = mpi_comm.Get_rank()
-        self.size = mpi_comm.Get_size()
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
         if world_ranks is None:
             world_ranks = tuple(mpi_comm.allgather(MPI.COMM_WORLD.Get_rank()))
         self.world_ranks = world_ranks
@@ -169,6 +169,7 @@ class Communicator:
         later operations, started at issue, never queue behind earlier broadcasts."""
         if self._node is None:
             self.node()
+        assert self._node_bcast is not None  # made by node()
         return self._node_bcast
 
     def split(self, member: bool, key: int, name: str) -> Communicator | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -22,7 +23,7 @@ _world_source: Any = None  # the communicator init() was given (commlib works on
 _watchdog: Watchdog | None = None
 
 
-def _on_expiry(pending: tuple) -> None:
+def _on_expiry(pending: tuple[Any, ...]) -> None:
     what = describe_pending(pending)
     abort_job(f"[commlib] rank {MPI.COMM_WORLD.Get_rank()}: {what} did not complete within "
               f"{options.timeout:g} s (COMMLIB_TIMEOUT); a peer is missing, has failed or "
@@ -109,7 +110,7 @@ def _cores() -> tuple[int, ...]:
 AUTO_POLL_S = 50e-6
 
 
-def wait_poll_s(everyone: list, setting: Any) -> float:
+def wait_poll_s(everyone: list[tuple[Any, str, Any]], setting: Any) -> float:
     """Seconds between tests of a blocking call's wait for the whole job (0: block in
     MPI), from every rank's ``(world rank, machine, cores)`` and the ``wait_poll_us``
     option: a number is taken as given; ``"auto"`` polls every :data:`AUTO_POLL_S` when
@@ -121,7 +122,7 @@ def wait_poll_s(everyone: list, setting: Any) -> float:
     if setting != "auto":
         return float(setting) * 1e-6
     ranks: dict[str, int] = {}
-    cores: dict[str, set] = {}
+    cores: dict[str, set[int]] = {}
     for _, host, cpus in everyone:
         ranks[host] = ranks.get(host, 0) + 1
         cores.setdefault(host, set()).update(range(cpus) if isinstance(cpus, int) else cpus)
@@ -131,10 +132,10 @@ def wait_poll_s(everyone: list, setting: Any) -> float:
 # Called at the end of every init() that makes the world, in registration order; layers
 # above this one register here (the timeline starts itself when COMMLIB_TIMELINE is set),
 # so that this module never imports upward.
-_init_hooks: list = []
+_init_hooks: list[Callable[[], Any]] = []
 
 
-def on_init(hook: Any) -> None:
+def on_init(hook: Callable[[], Any]) -> None:
     """Run ``hook()`` at the end of each :func:`init` that creates the world."""
     _init_hooks.append(hook)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from torch.distributed.algorithms.join import JoinHook
 
 from ..base.reduce_ops import ReduceOp
 from ..primitives import allreduce
@@ -87,7 +88,7 @@ class Join:
                        src=last)
 
 
-class TorchJoinHook:
+class TorchJoinHook(JoinHook):
     """What torch's generic ``torch.distributed.algorithms.join.Join`` calls on a rank that
     ran out of data (``ddp.join_hook()``): ``main_hook`` shadows one iteration of the
     others, ``post_hook`` syncs the final model from the last rank to join. Used when the

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from ..algorithms.buckets import plan
 from ..base.options import options
 from ..base.reduce_ops import ReduceOp
 from ..core import runtime
-from ..primitives import allreduce, broadcast, new_group
+from ..primitives import Group, allreduce, broadcast, new_group
 from . import arguments, replicas
 from .consistency import check_same_model
 from .engine import Engine
@@ -56,6 +56,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     ``torch.optim`` optimizer holding the module's parameters are observed through
     optimizer hooks.
     """
+
+    # commlib's group (torch's wrapper holds a torch ProcessGroup there)
+    process_group: Group  # type: ignore[assignment]
 
     def __init__(self, module: torch.nn.Module, device_ids: Any = None, output_device: Any = None,
                  dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
@@ -129,8 +132,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             mode = STATIC
         # A weak callback: the hooks never keep the wrapper alive (``del ddp`` closes it).
         end_iteration = weakref.WeakMethod(self._end_iteration)
-        self._hooks = GradientHooks(self._ctx, self.algorithm, self._engine, mode,
-                                    lambda: end_iteration()())
+
+        def end() -> None:
+            method = end_iteration()
+            if method is not None:
+                method()
+
+        self._hooks = GradientHooks(self._ctx, self.algorithm, self._engine, mode, end)
         self._rebuild_buckets()
         self._optimizer_hooks = _register_optimizer_hooks(self)
         self._averaged_step = self._ctx.step  # replicas equal (broadcast) at construction
@@ -190,7 +198,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     @property
     def join_device(self) -> torch.device:
-        return next(self.module.parameters()).device
+        device: torch.device = next(self.module.parameters()).device
+        return device
 
     @property
     def join_process_group(self) -> Any:
@@ -331,7 +340,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         ctx, algo = self._ctx, self.algorithm
         if options.check:
             # Every rank must be at the same iteration (schedules key on it).
-            self.process_group.comm.verify("iteration", {"step": ctx.step})
+            comm = self.process_group.comm
+            assert comm is not None  # a duplicate of its parent: every rank is a member
+            comm.verify("iteration", {"step": ctx.step})
         if ctx.iteration_pending:
             ctx.iteration_pending = False
             algo.after_iteration(ctx)
@@ -362,7 +373,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if tensors and self.process_group.size > 1:
             self._coalesced(tensors, lambda flat: broadcast(flat, src, self.process_group))
 
-    def _coalesced(self, tensors: list[torch.Tensor], op: Callable[[torch.Tensor], Any]) -> None:
+    def _coalesced(self, tensors: Sequence[torch.Tensor],
+                   op: Callable[[torch.Tensor], Any]) -> None:
         """Apply the in-place collective ``op`` to the tensors, packed into flat buffers of
         one dtype and device and at most :data:`COALESCE_BYTES` each (so the extra memory
         is bounded by one buffer, not the model), on the communication thread."""
@@ -384,7 +396,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.algorithm.after_optimizer_step(self._ctx, optimizer)
 
 
-def _to_device(inputs: tuple, kwargs: dict, device: int) -> tuple[tuple, dict]:
+def _to_device(inputs: tuple[Any, ...], kwargs: dict[str, Any],
+               device: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Move tensors inside ``inputs``/``kwargs`` to CUDA device ``device`` (torch DDP does
     this for single-device modules given ``device_ids``)."""
     target = torch.device("cuda", device)
@@ -437,12 +450,14 @@ def _register_optimizer_hooks(ddp: DistributedDataParallel) -> list[Any]:
         # closure's first call returned (or raised: its collectives must still match the
         # other ranks'), not before it, where it would act on the previous iteration.
 
+        # (the flag is an attribute of the function: post() reads it from the closure that
+        # step() was given; mypy knows no attributes of functions, hence the ignores)
         def closure_then_before_step() -> Any:
             try:
                 return closure()
             finally:
-                if not closure_then_before_step._commlib_before_done:
-                    closure_then_before_step._commlib_before_done = True
+                if not closure_then_before_step._commlib_before_done:  # type: ignore[attr-defined]
+                    closure_then_before_step._commlib_before_done = True  # type: ignore[attr-defined]
                     before(optimizer)
 
         closure_then_before_step._commlib_before_done = False  # type: ignore[attr-defined]

@@ -79,7 +79,7 @@ def allgather_v(tensor: Any, group: Any = None, async_op: bool = False) -> Any:
     return _split(out, firsts)
 
 
-def _split(out: Buf, firsts: list[int]) -> list:
+def _split(out: Buf, firsts: list[int]) -> list[Any]:
     pieces, start = [], 0
     for f in firsts:
         pieces.append(out.obj[start:start + f])

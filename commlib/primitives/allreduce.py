@@ -94,13 +94,14 @@ def _hierarchical(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: 
     # the whole communicator).
     flat_world = leaders is not None and leaders.size == comm.size
     node_steps = local.size > 1
-    across = leaders is not None and leaders.size > 1
+    # the leaders' communicator where this rank takes part in an allreduce across nodes
+    across = leaders if leaders is not None and leaders.size > 1 else None
     # Tickets at issue: every stage starts in issue order on its communicator, whatever
     # order the caller waits in (see commlib.primitives.work).
-    yield Reserve(*([local, bcast] if node_steps else []) + ([leaders] if across else []))
+    yield Reserve(*([local, bcast] if node_steps else []), *([across] if across else []))
     chunks = [] if flat_world else _chunks(buf)
     if len(chunks) > 1:
-        yield from _pipelined(local, bcast, leaders if across else None, buf, chunks, mop)
+        yield from _pipelined(local, bcast, across, buf, chunks, mop)
         finish_reduce(buf, op, comm.size)
         return tensor
     msg = buf.msg()
@@ -113,10 +114,10 @@ def _hierarchical(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: 
         yield Release(local)
         yield request
     if across:
-        accounting.record("allreduce", buf.nbytes, leaders.size)
-        yield Turn(leaders)
-        request = leaders.mpi.Iallreduce(IN_PLACE, msg, mop)
-        yield Release(leaders)
+        accounting.record("allreduce", buf.nbytes, across.size)
+        yield Turn(across)
+        request = across.mpi.Iallreduce(IN_PLACE, msg, mop)
+        yield Release(across)
         yield request
     if node_steps:
         accounting.record("broadcast", buf.nbytes, local.size)
@@ -128,7 +129,7 @@ def _hierarchical(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any, tensor: 
     return tensor
 
 
-def _chunks(buf: Buf) -> list[list]:
+def _chunks(buf: Buf) -> list[list[Any]]:
     """``buf`` as consecutive ``[memory, count, datatype]`` pieces for the pipeline (host
     memory only; one piece when the buffer is small or device memory)."""
     import numpy as np
@@ -142,7 +143,7 @@ def _chunks(buf: Buf) -> list[list]:
 
 
 def _pipelined(local: Communicator, bcast: Communicator, leaders: Communicator | None,
-               buf: Buf, chunks: list[list], mop: Any) -> Any:
+               buf: Buf, chunks: list[list[Any]], mop: Any) -> Any:
     """The node reduce, leaders' allreduce and node broadcast of each chunk, overlapped
     (``leaders``: None when this rank does not take part in an allreduce across nodes).
     Every rank of a node starts its reduces at issue, its broadcasts (on ``bcast``) in
@@ -155,7 +156,7 @@ def _pipelined(local: Communicator, bcast: Communicator, leaders: Communicator |
         accounting.record("broadcast", buf.nbytes, local.size)
     if leaders is not None:
         accounting.record("allreduce", buf.nbytes, leaders.size)
-    reduces: list = [None] * len(chunks)
+    reduces: list[Any] = [None] * len(chunks)
     if node_steps:
         yield Turn(local)
         reduces = [local.mpi.Ireduce(IN_PLACE if lead else m, m if lead else None, mop,

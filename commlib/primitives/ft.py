@@ -255,7 +255,7 @@ def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
 
 
 def grow(comm: Communicator, n: int, command: str | None = None,
-         args: list[str] | None = None, info: dict | None = None) -> Communicator:
+         args: list[str] | None = None, info: dict[str, str] | None = None) -> Communicator:
     """Collective over ``comm`` (the world, every member alive): spawn ``n`` processes
     running ``command args`` (default: this Python and ``sys.argv``: the same script)
     with ``MPI_Comm_spawn`` (``info``: its ``MPI_Info`` keys, e.g. ``{"host": ...}``) and

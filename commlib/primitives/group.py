@@ -12,7 +12,7 @@ world rank ``group.ranks[i]``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..base.errors import where
 from ..base.reduce_ops import ReduceOp
@@ -29,6 +29,9 @@ from .reduce import reduce
 from .reduce_scatter import reduce_scatter
 from .scatter import scatter
 
+if TYPE_CHECKING:
+    from ..fault.agreement import Decision
+
 
 class Group:
     """A set of ranks with its own communicator. ``rank`` is -1 on non-members."""
@@ -38,6 +41,8 @@ class Group:
         self.comm = comm
         self.ranks = tuple(ranks)
         self.hierarchical = bool(hierarchical)
+        #: what the survivors agreed on, on a group made by :func:`shrink` or :func:`assemble`
+        self.agreement: Decision | None = None
 
     @property
     def is_member(self) -> bool:
@@ -105,7 +110,7 @@ class Group:
         return shrink(self, value, timeout)
 
     def grow(self, n: int, command: str | None = None, args: list[str] | None = None,
-             info: dict | None = None) -> Group:
+             info: dict[str, str] | None = None) -> Group:
         """Fault-tolerant mode, on the world: ``n`` new ranks join (see :func:`grow`)."""
         return grow(n, self, command, args, info)
 
@@ -154,10 +159,10 @@ def new_group(ranks: Sequence[int] | None = None, hierarchical: bool = False,
     me = parent_comm.world_ranks[rank]
     member = me in ranks
     key = ranks.index(me) if member else 0
-    comm = parent_comm.split(member, key, f"group{ranks}")
-    if comm is not None:
-        comm.world_ranks = tuple(ranks)
-    return Group(comm, ranks, hierarchical)
+    sub = parent_comm.split(member, key, f"group{ranks}")
+    if sub is not None:
+        sub.world_ranks = tuple(ranks)
+    return Group(sub, ranks, hierarchical)
 
 
 def group_from_ranks(ranks: Sequence[int], parent: Group | None = None,
@@ -233,7 +238,7 @@ def assemble(ranks: Sequence[int], value: Any = 0, timeout: float | None = None)
 
 
 def grow(n: int, group: Group | None = None, command: str | None = None,
-         args: list[str] | None = None, info: dict | None = None) -> Group:
+         args: list[str] | None = None, info: dict[str, str] | None = None) -> Group:
     """Collective over the world (every member alive; fault-tolerant mode, under
     ``mpiexec``): ``n`` processes are spawned (``MPI_Comm_spawn``; default: this Python
     running ``sys.argv``, i.e. the same script; ``info``: ``MPI_Info`` keys such as

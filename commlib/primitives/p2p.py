@@ -18,6 +18,7 @@ def _check_tag(tag: Any, op: str, rank: int) -> int:
         raise TypeError(f"{where(op, rank)}: argument 'tag' must be an int, "
                         f"got {type(tag).__name__}")
     upper = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    assert upper is not None  # every MPI sets it on COMM_WORLD
     if not 0 <= tag <= upper:
         raise ValueError(f"{where(op, rank)}: argument 'tag'={tag} must be in 0..{upper} "
                          f"(MPI_TAG_UB)")

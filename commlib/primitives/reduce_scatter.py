@@ -6,6 +6,7 @@ the others ``L // n``. Any ``L`` works, 0 included; blocks differ by at most one
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -68,7 +69,7 @@ def reduce_scatter(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     return out.obj
 
 
-def _async(start: Any, buf: Buf, out: Buf, counts: list, mop: Any, op: ReduceOp,
+def _async(start: Any, buf: Buf, out: Buf, counts: Sequence[int], mop: Any, op: ReduceOp,
            n: int) -> Any:
     yield start(buf.msg(), out.msg(), counts, mop)
     buf.finish()

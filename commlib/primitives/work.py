@@ -83,6 +83,10 @@ def _wait_turn(comm: Communicator, ticket: int) -> None:
         gate.holders[gate.turn]._step()
 
 
+#: a Work's tickets before it reserves its turns and after it released them (never changed)
+_NO_TICKETS: dict[Communicator, int] = {}
+
+
 class Work:
     """Returned by every collective called with ``async_op=True``.
 
@@ -102,7 +106,7 @@ class Work:
         self._done = False
         self._result: Any = None
         self._status = MPI.Status()
-        self._tickets: dict | None = None
+        self._tickets = _NO_TICKETS
         self._req: Any = None
         self._resume(None)
 
@@ -137,7 +141,7 @@ class Work:
         if self._tickets:
             for c, t in self._tickets.items():
                 _release(c, t)
-            self._tickets = None
+            self._tickets = _NO_TICKETS
 
     def _step(self) -> None:
         """Block until the operation has moved one stage on (a turn came, a request
