@@ -112,6 +112,7 @@ commlib.init(fault_tolerant=FT)
 me = commlib.get_rank()
 n0 = commlib.get_world_size()
 from commlib.primitives import ft as _ft  # noqa: E402
+
 # a replacement spawned by run(replace=True) has a rank of the grown world, which a living
 # rank may have too: its segments under a name of its own (its results: see name_spawned)
 write_shm(args.outdir, 1000 + os.getpid() if _ft.joined else me)
@@ -275,8 +276,8 @@ def lag_average() -> None:
     before it is applied (as if the wait had been given up on just after the data came)."""
     from commlib.algorithms.buckets import pack
     from commlib.algorithms.local_sgd import LocalSGD
-    from commlib.primitives import allreduce as _allreduce
     from commlib.base.reduce_ops import ReduceOp
+    from commlib.primitives import allreduce as _allreduce
     original = LocalSGD._average
     k, victim = plan.get(victims[0]), victims[0]
 

@@ -30,9 +30,16 @@ import json
 import numpy as np
 import pytest
 
-from elastic_common import (TRAIN_PROGRAM, leftover_shm, params, rank_hosts, results,
-                            run_job, run_store_job)
-from elastic_common import fault_tolerant_launch  # noqa: F401 - skips where refused
+from elastic_common import (
+    TRAIN_PROGRAM,
+    fault_tolerant_launch,  # noqa: F401 - skips where refused
+    leftover_shm,
+    params,
+    rank_hosts,
+    results,
+    run_job,
+    run_store_job,
+)
 from helpers import mpi_impl, requires_store_world, serial_only
 
 STEPS = 30

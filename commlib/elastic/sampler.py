@@ -1,7 +1,8 @@
 """Data for elastic training: each step's global batch, split over the ranks alive now."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

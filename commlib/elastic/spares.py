@@ -30,7 +30,7 @@ Protocol (all on commlib's fault-tolerant primitives):
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

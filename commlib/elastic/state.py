@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..ddp.replicas import per_rank_state
 from ..base.errors import CommError
+from ..ddp.replicas import per_rank_state
 from ..primitives import broadcast, world
 from . import transfer
 

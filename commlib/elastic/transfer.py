@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 #: Test hook: called with each tensor's index once it arrived (:func:`recv`).
 _RECV_HOOK: Any = None
 

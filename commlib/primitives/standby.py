@@ -12,13 +12,14 @@ then bring it into their group with :func:`commlib.primitives.ft.assemble`.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from mpi4py import MPI
 
+from ..base.errors import CommError, where
 from ..core import exits
 from ..fault import fault_tolerance
-from ..base.errors import CommError, where
 from ..fault.ft_backend import iprobe_any, isend, sent
 from . import ft
 
