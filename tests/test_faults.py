@@ -151,7 +151,7 @@ def test_timeout_set_at_run_time_applies(tmp_path):
     program.write_text(
         "import time, numpy as np, commlib\n"
         "commlib.init()\n"
-        "commlib.base.options.timeout = 3\n"
+        "commlib.options.timeout = 3\n"
         "if commlib.get_rank() == 1:\n"
         "    time.sleep(60)\n"
         "commlib.allreduce(np.ones(4))\n")
