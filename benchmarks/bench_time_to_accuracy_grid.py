@@ -63,7 +63,11 @@ def run_grid(args: argparse.Namespace, bench_args: list[str]) -> dict:
     if getattr(args, "resume", False) and os.path.exists(progress):
         with open(progress) as fh:
             old = json.load(fh)
-        done = [j for j in old["done"] if os.path.exists(j["path"])]
+        # a part is found by its file name under OUT's parts (the grid may have been run
+        # from another checkout, e.g. a git worktree since removed)
+        done = [dict(j, path=os.path.join(parts, os.path.basename(j["path"])))
+                for j in old["done"]]
+        done = [j for j in done if os.path.exists(j["path"])]
         longest = max([j["job_s"] for j in done], default=0.0)
         before = old.get("grid_s", 0.0)
         pieces, budgets = old.get("pieces", 1), old.get("budget_s", 0.0)
