@@ -37,6 +37,7 @@ TIMEOUT=${TIMEOUT:-900}            # one job (every contender of one shape, rate
 OUT=${OUT:-benchmarks/results}
 README=${README-benchmarks/README.md}
 MARKER=${MARKER:-tta-gpt}          # the README section: tta-gpt-2x1 for the 2x1 grid
+LOCK=${LOCK-/tmp/commlib-bench.lock}  # one benchmark at a time; LOCK= when the caller holds it
 
 if [[ "${1:-}" == "--smoke" ]]; then
     SIZE=tiny EPOCHS=2 STEPS_PER_EPOCH=6 EVAL_EVERY=4 SEEDS=0,1 RATES=1000 EXTRA_RATES= \
@@ -48,7 +49,7 @@ if [[ "${1:-}" == "--smoke" ]]; then
 fi
 
 export COMMLIB_TIMEOUT=${COMMLIB_TIMEOUT:-300}
-exec flock /tmp/commlib-bench.lock "$PYTHON" benchmarks/bench_time_to_accuracy_grid.py \
+exec ${LOCK:+flock "$LOCK"} "$PYTHON" benchmarks/bench_time_to_accuracy_grid.py \
     --budget-min "$BUDGET_MIN" --margin "$MARGIN" --shapes "$SHAPES" --rates "$RATES" \
     --extra-rates "$EXTRA_RATES" --seeds "$SEEDS" --out "$OUT" ${README:+--readme "$README" --marker "$MARKER"} \
     ${RESUME:+--resume} \
