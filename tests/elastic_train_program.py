@@ -38,6 +38,9 @@ survivors must match exactly. ``--scenarios JSON``: several such references in o
 without failure), one after the other from the initial model, each written to
 ``OUTDIR/<name>/`` (one job instead of one per reference: most of a job is startup).
 ``--scale-lr``, ``--min-ranks M``: ``State(scale_lr=True)``, ``run(min_ranks=M)``.
+``--forget-own-state``: after a recovery the algorithm's per-rank state (the error
+feedback of ``sparseloco``, ``muloco``, ``demo``) restarts from zero instead of the
+restored commit's (the negative control of test_elastic.py).
 ``--spares K``: ``run(spares=K)`` (the last ``K`` ranks stand by; a spare that joined
 writes ``rank{r}.json`` like the others, one released at the end ``spare{r}.json``: its
 step, the pool it knew, the CPU and wall seconds it spent in ``run``);
@@ -78,6 +81,9 @@ parser.add_argument("--replace", action="store_true",
                     help="spawn a replacement for each dead rank, on its host")
 parser.add_argument("--scale-lr", action="store_true", help="State(scale_lr=True)")
 parser.add_argument("--min-ranks", type=int, default=1, help="run(min_ranks=...)")
+parser.add_argument("--forget-own-state", action="store_true",
+                    help="after a recovery, reset the algorithm's per-rank state (error "
+                         "feedback) instead of restoring it (negative control)")
 parser.add_argument("--scenarios", default="",
                     help="JSON list of references to train one after the other")
 parser.add_argument("--spares", type=int, default=0,
@@ -137,7 +143,13 @@ KWARGS = {"decentralized": {"peer_selection_mode": "shift_one"},
           "powersgd": {"rank": 2, "start_iter": 4},
           "low_precision_decentralized": {"chunk_size": 64},
           # 1-bit compressed momentum from step 4 on (worker and server residuals)
-          "qadam": {"warmup_steps": 4, "chunk_size": 64}}
+          "qadam": {"warmup_steps": 4, "chunk_size": 64},
+          # outer steps every 4 steps; 8 of each 64 values sent, 2 bits each, error feedback
+          "sparseloco": {"sync_every": 4, "chunk_size": 64, "density": 1 / 8},
+          # outer steps every 4 steps, 2-bit statistical quantizer, error feedback (decay 0.9)
+          "muloco": {"sync_every": 4},
+          # every step: 4 of each 8-coefficient DCT block sent, the rest kept in the momentum
+          "demo": {"chunk_size": 8, "topk": 4}}
 BATCH, LENGTH = 24, 24 * 40
 g = torch.Generator().manual_seed(1234)
 X = torch.randn(LENGTH, 16, generator=g)
@@ -161,6 +173,8 @@ class Training:
         if algorithm == "qadam":  # its own optimizer (momentum exchanged compressed)
             from commlib.algorithms.qadam import QAdamOptimizer
             self.optimizer = QAdamOptimizer(self.model.parameters(), lr=0.01)
+        elif algorithm == "demo":  # DeMo's sign update, to plain SGD (its momentum is DeMo's)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         else:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.sampler = elastic.ElasticSampler(LENGTH, BATCH, seed=7)
@@ -311,6 +325,8 @@ if me == args.join_victim and args.join_death and not _ft.joined:
 
 def train(st: elastic.State) -> None:
     ddp = wrap(run)
+    if args.forget_own_state and st.recoveries:  # wrong on purpose: the negative control
+        ddp.algorithm.reset_own_state()
     while st.step < args.steps:
         if plan.get(me) == st.step and args.fault == "sysexit":
             die("sysexit")

@@ -172,7 +172,8 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("algorithm", ["decentralized", "local_sgd", "diloco",
                                        "streaming_diloco", "powersgd",
-                                       "low_precision_decentralized", "qadam"])
+                                       "low_precision_decentralized", "qadam",
+                                       "sparseloco", "muloco", "demo"])
 def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
     synced = algorithm in ("local_sgd", "diloco")
     at = "14" if synced else "12"  # mid-round: the round is discarded
@@ -183,6 +184,26 @@ def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
         assert found[0]["recoveries"][0]["step"] == 12
     if algorithm == "low_precision_decentralized":  # neighbour copies rebuilt for 3 ranks
         assert all(r["ring"] for r in found.values()), {k: r["ring"] for k, r in found.items()}
+
+
+@pytest.mark.parametrize("algorithm", ["sparseloco", "muloco", "demo"])
+def test_forgetting_the_error_feedback_goes_wrong(tmp_path, tmp_path_factory, algorithm):
+    """Negative control of the per-rank error feedback: the same SIGKILL, each survivor
+    restarting its error feedback (``demo``: its momentum) from zero after the recovery
+    instead of restoring its own (``--forget-own-state``): the job finishes, but the
+    survivors' parameters leave the reference's."""
+    status, _, out, left = ft_job(tmp_path, "--fault", "kill", "--algorithm", algorithm,
+                                  "--at", "12", "--forget-own-state")
+    assert status != -9 and not left, (status, out[-2000:])
+    found = results(str(tmp_path))
+    assert sorted(found) == [0, 1, 2], (sorted(found), status, out[-3000:])
+    victims, steps = reference_args(found)
+    ref = reference(tmp_path_factory, algorithm, victims, steps)
+    for rank in found:
+        mine, theirs = params(found[rank]), params(ref[rank])
+        assert not np.array_equal(mine, theirs), rank
+        print(f"{algorithm} rank {rank}: {int((mine != theirs).sum())} of {mine.size} "
+              f"parameters differ, by up to {np.abs(mine - theirs).max():.3g}")
 
 
 def test_the_check_tells_one_step_apart(tmp_path_factory):

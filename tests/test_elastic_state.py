@@ -1,7 +1,7 @@
 """``commlib.elastic`` pieces that need no failure (1 rank, in the pytest process, cheap):
-the sampler's re-sharding, the state's commits and user values, and what elastic training
-refuses (algorithms whose state cannot survive a death, ZeRO), each refused with an error
-naming it."""
+the sampler's re-sharding, the state's commits and user values, a newcomer's error
+feedback, and what elastic training refuses (algorithms whose state cannot survive a
+death, ZeRO where untested), each refused with an error naming it."""
 from __future__ import annotations
 
 import numpy as np
@@ -123,12 +123,67 @@ def test_every_algorithm_is_either_supported_or_refused():
     assert not missing, f"algorithms unknown to commlib.elastic: {sorted(missing)}"
 
 
-def test_zero_is_refused():
+def test_zero_is_refused_where_untested():
+    """ZeRO (its shards replicated on the next rank, commlib.elastic.zero) with the
+    gradients averaged by state.wrap(); refused with reduce_gradients=True and behind an
+    algorithm that does not average gradients."""
     model = torch.nn.Linear(3, 2)
-    optimizer = commlib.ZeroRedundancyOptimizer(model.parameters(),
-                                                optimizer_class=torch.optim.SGD, lr=0.1)
-    with pytest.raises(commlib.CommError, match="ZeRO optimizers are not supported"):
-        elastic.State(model, optimizer)
+    with commlib.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
+                                         lr=0.1, reduce_gradients=True) as optimizer:
+        with pytest.raises(commlib.CommError, match="reduce_gradients=True is not supported"):
+            elastic.State(model, optimizer)
+    with commlib.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
+                                         lr=0.1) as optimizer:
+        state = elastic.State(model, optimizer)
+        with pytest.raises(commlib.CommError, match="needs averaged gradients"):
+            state.wrap(algorithm="local_sgd")
+        with pytest.raises(commlib.CommError, match="not supported with a "
+                                                    "ZeroRedundancyOptimizer"):
+            elastic.run(lambda st: None, state, replace=True)
+
+
+OWN_STATE = {"sparseloco": ({"sync_every": 1, "chunk_size": 4, "density": 0.25}, "_error"),
+             "muloco": ({"sync_every": 1}, "_residual"),
+             "demo": ({"chunk_size": 2, "topk": 1}, "_momentum")}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_STATE))
+def test_a_newcomer_starts_without_the_error_feedback(name):
+    """A rank that takes another rank's state (a joining spare, a replacement: ``_adopted``)
+    keeps the model and the shared algorithm state but starts with zero error feedback;
+    a survivor that restores its own keeps it."""
+    kwargs, attr = OWN_STATE[name]
+
+    def own(algorithm):
+        value = getattr(algorithm, attr)
+        values = value.values() if isinstance(value, dict) else value
+        return sum(float(v.abs().sum()) for v in values)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.State(model, optimizer)
+    ddp = state.wrap(algorithm=name, **kwargs)
+    try:
+        for _ in range(3):
+            ddp(torch.randn(5, 6)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            state.commit()
+        ddp(torch.randn(5, 6)).sum().backward()  # (runs the pending outer step, if any)
+        optimizer.zero_grad()
+        assert own(ddp.algorithm) > 0
+        state.__dict__["_algorithm_state"] = ddp.algorithm.state_dict()
+        kept = state.wrap(algorithm=name, **kwargs)
+        assert own(kept.algorithm) == own(ddp.algorithm) > 0
+        state.__dict__["_adopted"] = True
+        fresh = state.wrap(algorithm=name, **kwargs)
+        assert own(fresh.algorithm) == 0 and not state._adopted
+        if name != "demo":  # the global weights are every rank's, they stay
+            assert all(torch.equal(a, b) for a, b in zip(fresh.algorithm._global,
+                                                         ddp.algorithm._global))
+    finally:
+        state.close_wrapper()
 
 
 @pytest.mark.mpi(min_size=2)

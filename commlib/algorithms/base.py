@@ -161,6 +161,13 @@ class Algorithm:
         state holds of other ranks (copies of a neighbour's weights, ...) fit the current
         group. Default: nothing."""
 
+    def reset_own_state(self) -> None:
+        """Right after :meth:`load_state_dict` of *another* rank's state on a rank that
+        takes it as its own (a front-end's newcomer: a joining spare or a replacement,
+        :mod:`commlib.elastic`): reset what that state holds of the rank that saved it
+        alone (error feedback: what it has not sent yet, which would otherwise be sent
+        twice) to what a fresh rank starts with. Default: nothing."""
+
     def need_reset(self, ctx: Context) -> bool:
         """Checked before each forward; ``True`` makes the wrapper call :meth:`reset` and
         rebuild the buckets (e.g. when a warm-up ends)."""

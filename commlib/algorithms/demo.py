@@ -450,6 +450,11 @@ class DeMo(Algorithm):
         return {"buckets": state.bucket_layout(ctx.buckets),
                 "momentum": [self._momentum.get(b.index) for b in ctx.buckets]}
 
+    def reset_own_state(self) -> None:
+        """A newcomer starts without momentum (as before its first step): the momentum
+        holds what the rank whose state it took has not sent yet."""
+        self._momentum, self._staged, self._bad = {}, {}, False
+
     def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
         state.check_keys(where, saved, ("buckets", "momentum"))
         state.check_layout(where, saved["buckets"], ctx.buckets)

@@ -267,6 +267,11 @@ class MuLoCo(DiLoCo):
         out["residual"] = [self._residual.get(b.index) for b in ctx.buckets]
         return out
 
+    def reset_own_state(self) -> None:
+        """A newcomer starts without error-feedback accumulators (as before its first
+        outer step)."""
+        self._residual = {}
+
     def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
         self.check_state(ctx, saved, where, ("residual",))
         if len(saved["residual"]) != len(ctx.buckets):

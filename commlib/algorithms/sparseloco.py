@@ -412,6 +412,12 @@ class SparseLoCo(DiLoCo):
         saved["error"] = [e.detach() for e in self._error]
         return saved
 
+    def reset_own_state(self) -> None:
+        """A newcomer's error-feedback buffers start at zero (what the rank whose state it
+        took has not sent yet stays that rank's)."""
+        for e in self._error:
+            e.zero_()
+
     def load_state(self, ctx: Context, saved: Mapping[str, Any], where: str) -> None:
         self.check_state(ctx, saved, where, keys=("error",))
         state.check_same(where, "the number of error-feedback buffers",

@@ -11,6 +11,7 @@ from ..base.errors import CommError, PeerFailure
 from ..primitives import ft, world
 from .spares import release, split, stand_by, top_up
 from .state import State
+from .zero import is_zero
 
 
 def run(train_fn: Callable[[State], Any] | None = None, state: State | None = None, *,
@@ -65,6 +66,10 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
             return run(train_fn, state, min_ranks=min_ranks, replace=replace,
                        spawn_info=spawn_info, spares=spares)
         return wrapped
+    if (spares or replace) and is_zero(state.optimizer):
+        raise CommError("commlib.elastic.run: spares and replace=True are not supported "
+                        "with a ZeroRedundancyOptimizer (a newcomer would need a shard of "
+                        "its own cut out of the others'; the survivors go on shrunk)")
     standing_by = False
     if state.group is None:
         if spares and not ft.joined:
@@ -130,12 +135,14 @@ def recover(state: State, failure: PeerFailure, min_ranks: int = 1, replace: boo
 
 
 def _sync(state: State, group: Any, since: float) -> None:
-    """Collective over the grown world: everyone takes the state of its rank 0 (the
-    newcomers have none yet)."""
-    if group is None:
+    """Collective over the grown world: the newcomers (``group`` None: this rank was
+    spawned) take the state of its rank 0 as their own; the survivors hold theirs (their
+    own optimizer and per-rank algorithm state stay)."""
+    fresh = group is None
+    if fresh:
         group = world()
     state.__dict__["group"] = group
-    state._receive(group, 0)
+    state._receive(group, 0, keep=not fresh, adopted=fresh)
     state.recoveries.append({"size": group.size, "members": list(group.ranks),
                              "values": {}, "step": state.step, "grown": True,
                              "seconds": time.monotonic() - since})

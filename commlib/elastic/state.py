@@ -13,6 +13,7 @@ from ..base.errors import CommError
 from ..ddp.replicas import per_rank_state
 from ..primitives import broadcast, world
 from . import transfer
+from . import zero as zero_elastic
 
 # How each algorithm's state survives a failure (see the State docstring).
 REPLICATED = "replicated"      # every replica holds the same state at a commit
@@ -21,18 +22,13 @@ SYNCED = "synced"              # replicas equal where the algorithm says (synced
 POLICIES = {"gradient_allreduce": REPLICATED, "bytegrad": REPLICATED,
             "decentralized": PER_RANK, "local_sgd": SYNCED, "diloco": SYNCED,
             "streaming_diloco": PER_RANK, "powersgd": PER_RANK,
-            "low_precision_decentralized": PER_RANK, "qadam": PER_RANK}
+            "low_precision_decentralized": PER_RANK, "qadam": PER_RANK,
+            "sparseloco": PER_RANK, "muloco": PER_RANK, "demo": PER_RANK}
 UNSUPPORTED = {
     "async_model_average": "its background rounds are not tied to steps, so no step can be "
                            "agreed",
     "d_kfac": "its layer assignment and factors are tied to the world size",
     "dp_kfac": "its layer assignment and factors are tied to the world size",
-    "sparseloco": "its error-feedback buffers are per rank and its outer step is not yet "
-                  "committed and restored",
-    "muloco": "its error-feedback accumulators are per rank and its outer step is not yet "
-              "committed and restored",
-    "demo": "its momentum buffers (with what each rank has not sent yet) are per rank and "
-            "not yet committed and restored",
 }
 #: Tag of the point-to-point state transfers (:meth:`State._transfer`).
 TRANSFER_TAG = 34
@@ -74,7 +70,8 @@ class State:
       another did not) receive it by broadcast from one that holds it. Otherwise the model,
       optimizer and algorithm state are copied at each commit and restored.
     * per rank (``decentralized``, ``low_precision_decentralized``, ``streaming_diloco``,
-      ``powersgd``, ``qadam``: replicas or algorithm states differ): each commit copies
+      ``powersgd``, ``qadam``, ``sparseloco``, ``muloco``, ``demo``: replicas or
+      algorithm states differ): each commit copies
       this rank's model, optimizer and algorithm state; the last ``keep`` commits are
       kept. The survivors agree on the earliest last commit among them and each restores
       its own copy of it. A non-blocking barrier every ``keep // 2`` commits keeps every
@@ -91,6 +88,19 @@ class State:
       (:meth:`~commlib.algorithms.Algorithm.regroup`). ``qadam``: the momentum and
       frozen denominators (the same on every rank) and the residuals, whose server part
       (of this rank's share in the old group) is dropped in a new group.
+      ``sparseloco``, ``muloco`` (DiLoCo's outer loop with per-rank error feedback) and
+      ``demo`` (each rank's momentum, with what it has not sent yet): the global weights
+      (the same on every rank; ``muloco``'s outer momentum too), this rank's replica, its
+      inner optimizer and its error feedback, as of the end of the committed step (an
+      outer step due at that step is not applied yet: after a recovery it is taken over
+      the survivors). Unlike ``diloco`` the partial round is kept (the error feedback is
+      each rank's own, so no step has every rank's state equal to commit at). Each
+      survivor restores its own error feedback; the dead rank's, what it had not sent
+      yet, is lost with it, and the survivors' next exchange averages over the survivors
+      alone. A rank that takes another rank's state (a joining spare, a replacement)
+      starts with zero error feedback (no momentum for ``demo``), as a fresh rank does
+      (:meth:`~commlib.algorithms.Algorithm.reset_own_state`): a copy would send the
+      other rank's unsent residual twice.
     * ``local_sgd`` and ``diloco``: a commit is taken where the algorithm's replicas meet
       (:meth:`~commlib.algorithms.Algorithm.synced_at`: after each average, after each
       outer step, every ``sync_every``-th step), right after it is applied: the model, the
@@ -105,9 +115,8 @@ class State:
     ``new size / old size`` (for jobs whose per-rank batch is fixed; with
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
     Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`):
-    ``async_model_average``, ``d_kfac``, ``dp_kfac``, ``sparseloco``, ``muloco``,
-    ``demo``; and ZeRO, FSDP and sharded embeddings (a shard dies with its rank; no
-    replica is kept).
+    ``async_model_average``, ``d_kfac``, ``dp_kfac``; and ZeRO, FSDP and sharded
+    embeddings (a shard dies with its rank; no replica is kept).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None,
@@ -133,6 +142,7 @@ class State:
         d["_clean"] = True          # the live state is the one of the last commit
         d["recoveries"] = []        # what each recovery agreed (for logs and tests)
         d["_empty"] = False         # a spare that has not received the state yet
+        d["replica_bytes"] = 0      # ZeRO: bytes of the shard sent to the next rank, last commit
         if sampler is not None and hasattr(sampler, "state"):
             sampler.state = self
         if optimizer is not None:
@@ -211,10 +221,16 @@ class State:
             with per_rank_state():  # each rank's own replica, on purpose
                 snap.model = {k: v.detach().clone()
                               for k, v in self.model.state_dict().items()}
-            snap.optimizer = (copy.deepcopy(self.optimizer.state_dict())
-                              if self.optimizer is not None else None)
+            if zero_elastic.is_zero(self.optimizer):  # own shard, replica of the previous
+                snap.optimizer = zero_elastic.commit(self.optimizer)
+                d["replica_bytes"] = snap.optimizer["replica_bytes"]
+            else:
+                snap.optimizer = (copy.deepcopy(self.optimizer.state_dict())
+                                  if self.optimizer is not None else None)
+            # (no wrapper yet, e.g. a spare that just received the state: what it holds)
             snap.algorithm = (self._wrapper.algorithm.state_dict()
-                              if self._wrapper is not None else None)
+                              if self._wrapper is not None
+                              else getattr(self, "_algorithm_state", None))
         commits = d["_commits"]
         commits.append(snap)
         del commits[:-self.keep]
@@ -242,6 +258,11 @@ class State:
         if name not in POLICIES:
             raise CommError(f"commlib.elastic.State.wrap: algorithm {name!r} is not known "
                             f"to commlib.elastic (supported: {sorted(POLICIES)})")
+        zero = zero_elastic.is_zero(self.optimizer)
+        if zero and POLICIES[name] != REPLICATED:
+            raise CommError(f"commlib.elastic.State.wrap: a ZeroRedundancyOptimizer needs "
+                            f"averaged gradients (gradient_allreduce, bytegrad), not "
+                            f"{name!r}")
         ddp_kwargs.setdefault("init_sync", False)
         if self._wrapper is not None:
             self.close_wrapper()
@@ -249,7 +270,8 @@ class State:
                                           process_group=self.group or world(), **ddp_kwargs)
         d = self.__dict__
         d["_wrapper"] = wrapper
-        policy = POLICIES[name]
+        # ZeRO: each rank's shard is its own (and a replica of its predecessor's)
+        policy = PER_RANK if zero else POLICIES[name]
         if policy != self.policy:
             d["policy"] = policy
             self._record(full=policy != REPLICATED or self.commit_every > 1)
@@ -262,6 +284,9 @@ class State:
             # collective where it communicates (per-rank algorithms: every member of
             # the group restored a full commit, so every member loads a state here)
             wrapper.algorithm.regroup(*saved)
+        if d.get("_adopted"):  # another rank's state (a joining spare, a replacement)
+            wrapper.algorithm.reset_own_state()
+            d["_adopted"] = False
         if policy == SYNCED:
             _commit_after_average(self, wrapper)
         return wrapper
@@ -334,6 +359,9 @@ class State:
                         f"of step {mine[0]})")
                 self._receive(group, decision.members.index(holder), optimizer=not own)
                 empty = []  # (the broadcast reached them too)
+        if zero_elastic.is_zero(self.optimizer):  # the lost shards from their replicas
+            snap = self._commits[-1]
+            snap.optimizer = zero_elastic.rebuild(self.optimizer, group, snap.optimizer)
         if empty:  # per rank: each from one member that restored (all hold the commit)
             olds = [i for i in range(group.size) if i not in empty]
             self._transfer(group, {j: olds[k % len(olds)] for k, j in enumerate(empty)})
@@ -354,7 +382,8 @@ class State:
         if snap.full:
             with torch.no_grad():
                 self.model.load_state_dict(snap.model)
-            if self.optimizer is not None:
+            # (a ZeRO optimizer takes its state in the rebuild that follows, see _restore)
+            if self.optimizer is not None and not zero_elastic.is_zero(self.optimizer):
                 self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
             d["_algorithm_state"] = snap.algorithm
         elif not (self._clean and self._optimizer_steps == self._steps_at_commit):
@@ -366,19 +395,24 @@ class State:
         d["_steps_at_commit"] = self._optimizer_steps
         d["_clean"] = True
 
-    def _receive(self, group: Any, root: int, optimizer: bool = True) -> None:
+    def _receive(self, group: Any, root: int, optimizer: bool = True, keep: bool = False,
+                 adopted: bool = False) -> None:
         """Collective over ``group``: everyone takes the state of member ``root`` (its
-        optimizer's too, unless ``optimizer`` is false: each keeps its own)."""
+        optimizer's too, unless ``optimizer`` is false: each keeps its own), but members
+        that pass ``keep`` (they hold the state already: they only take part in the
+        broadcast). ``adopted``: the receivers take another rank's state as their own
+        (newcomers; see :meth:`_apply`)."""
         data = self._pack() if group.rank == root else None
-        if group.rank != root:
+        takes = group.rank != root and not keep
+        if takes:
             self.__dict__["_clean"] = False  # until the state arrived
         size = np.array([0 if data is None else data.size], dtype=np.int64)
         broadcast(size, root, group)
         if data is None:
             data = np.empty(int(size[0]), dtype=np.uint8)
         broadcast(data, root, group)
-        if group.rank != root:
-            self._unpack(data, optimizer)
+        if takes:
+            self._unpack(data, optimizer, adopted)
 
     def _transfer(self, group: Any, senders: dict[int, int]) -> None:
         """Over ``group``, point to point: each member ``j`` of ``senders`` takes the
@@ -394,7 +428,7 @@ class State:
                 transfer.send(group, j, tree, TRANSFER_TAG)
         if me in senders:
             self.__dict__["_clean"] = False  # until the state arrived
-            self._apply(transfer.recv(group, senders[me], TRANSFER_TAG), True)
+            self._apply(transfer.recv(group, senders[me], TRANSFER_TAG), True, adopted=True)
 
     def _tree(self) -> dict:
         """This rank's state: step, values, model, optimizer, algorithm."""
@@ -412,14 +446,20 @@ class State:
         torch.save(self._tree(), buffer)
         return np.frombuffer(buffer.getbuffer(), dtype=np.uint8)  # (holds the buffer)
 
-    def _unpack(self, data: np.ndarray, optimizer: bool) -> None:
+    def _unpack(self, data: np.ndarray, optimizer: bool, adopted: bool = False) -> None:
         """Take the state of :meth:`_pack` (``optimizer`` false: keep this rank's own)."""
-        self._apply(torch.load(io.BytesIO(data.tobytes()), weights_only=False), optimizer)
+        self._apply(torch.load(io.BytesIO(data.tobytes()), weights_only=False), optimizer,
+                    adopted)
 
-    def _apply(self, saved: dict, optimizer: bool) -> None:
+    def _apply(self, saved: dict, optimizer: bool, adopted: bool = False) -> None:
         """Take the state ``saved`` (of :meth:`_tree`; ``optimizer`` false: keep this
-        rank's own)."""
+        rank's own). ``adopted``: this rank had no state and takes another rank's as its
+        own (a joining spare, a spawned replacement): what the algorithm keeps of that
+        rank alone (error feedback) is reset when the state is next wrapped
+        (:meth:`~commlib.algorithms.Algorithm.reset_own_state`)."""
         d = self.__dict__
+        if adopted:
+            d["_adopted"] = True
         with torch.no_grad():
             self.model.load_state_dict(saved["model"])
         if self.optimizer is not None and optimizer:
@@ -456,7 +496,8 @@ def _commit_after_average(state: State, wrapper: Any) -> None:
 
 
 def _refuse_sharded(optimizer: Any) -> None:
-    name = type(optimizer).__name__
-    if name in ("ZeroRedundancyOptimizer",):
-        raise CommError("commlib.elastic.State: ZeRO optimizers are not supported: the "
-                        "optimizer shard of a dead rank is lost (no replica is kept)")
+    if zero_elastic.is_zero(optimizer) and optimizer.reduce_gradients:
+        raise CommError("commlib.elastic.State: a ZeroRedundancyOptimizer with "
+                        "reduce_gradients=True is not supported (not tested under failures: "
+                        "use it with reduce_gradients=False behind state.wrap(), whose "
+                        "gradient_allreduce averages the gradients)")

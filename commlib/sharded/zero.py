@@ -140,6 +140,31 @@ class ZeroRedundancyOptimizer(ZeroStateDict, torch.optim.Optimizer):
         self._fill_defaults(range(len(self.param_groups)))
         self._initialized = True
 
+    def regroup(self, group: Any, full: dict[int, dict] | None = None) -> None:
+        """Collective over ``group``, the group training goes on over (the survivors of a
+        failure, :mod:`commlib.elastic`): release the old communicator (its collectives
+        may have failed), partition the parameters over ``group`` and take the state of
+        the elements this rank owns now from ``full`` (global position -> state, as
+        ``commlib.sharded.zero_state.full_state`` builds it; ``None``: no state). The
+        parameters' values are not touched (every member holds the same already)."""
+        self.close()
+        parent = resolve_group(group, "ZeroRedundancyOptimizer.regroup")
+        self.process_group = new_group(parent=parent)
+        self._closed = False
+        self.rank = self.process_group.rank
+        self.world_size = self.process_group.size
+        self._all_state_dicts = []
+        self._grads_ready = False
+        self._engine = Engine(runtime.thread_multiple(), name="commlib-zero",
+                              poll_s=wait_poll_s())
+        self._partition()
+        self.optim = self._local_optimizer()
+        if full:
+            self._load_local(full)
+        if self.reduce_gradients:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                           for kind in self._kinds for p in kind.params]
+
     def _fill_defaults(self, indices: Iterable[int]) -> None:
         """Give the global groups ``indices`` the local optimizer's options they lack (its
         defaults; every rank's local optimizer has every group, possibly empty)."""
