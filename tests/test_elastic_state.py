@@ -142,6 +142,17 @@ def test_zero_is_refused_where_untested():
             elastic.run(lambda st: None, state, replace=True)
 
 
+def test_fsdp_and_sharded_embeddings_are_refused():
+    bag = commlib.ShardedEmbeddingBag(10, 4)
+    with pytest.raises(commlib.CommError, match="ShardedEmbeddingBag is not supported: a "
+                                                "shard of its parameters dies"):
+        elastic.State(torch.nn.Sequential(bag, torch.nn.Linear(4, 2)))
+    fsdp = commlib.FullyShardedDataParallel(torch.nn.Linear(3, 2), "FULL_SHARD")
+    with pytest.raises(commlib.CommError, match="FullyShardedDataParallel is not supported"):
+        elastic.State(fsdp)
+    elastic.State(torch.nn.Linear(3, 2))  # (a plain model is not)
+
+
 OWN_STATE = {"sparseloco": ({"sync_every": 1, "chunk_size": 4, "density": 0.25}, "_error"),
              "muloco": ({"sync_every": 1}, "_residual"),
              "demo": ({"chunk_size": 2, "topk": 1}, "_momentum")}

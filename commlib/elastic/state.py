@@ -114,9 +114,18 @@ class State:
     ``scale_lr``: after a shrink multiply each parameter group's ``lr`` by
     ``new size / old size`` (for jobs whose per-rank batch is fixed; with
     :class:`ElasticSampler` the global batch is fixed and the learning rate stays).
+    ZeRO stage 1 (``optimizer`` a :class:`~commlib.ZeroRedundancyOptimizer`, behind
+    ``gradient_allreduce`` or ``bytegrad``): committed per rank, each commit also sending
+    this rank's optimizer shard to the next rank (:mod:`commlib.elastic.zero`); after a
+    failure the survivors rebuild the full optimizer state of the agreed commit from their
+    shards and replicas and partition it again over themselves. ``replica_bytes``: the
+    bytes of the shard the last commit sent.
+
     Unsupported (refused by :meth:`wrap`, reasons in :data:`UNSUPPORTED`):
-    ``async_model_average``, ``d_kfac``, ``dp_kfac``; and ZeRO, FSDP and sharded
-    embeddings (a shard dies with its rank; no replica is kept).
+    ``async_model_average``, ``d_kfac``, ``dp_kfac``. Refused here: FSDP and sharded
+    embeddings in ``model`` (a shard of their parameters dies with its rank; no replica
+    is kept), a ZeRO optimizer with ``reduce_gradients=True``; by :func:`run`: spares and
+    replacements with ZeRO.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None,
@@ -125,7 +134,7 @@ class State:
         if int(commit_every) < 1 or int(keep) < 2:
             raise ValueError(f"State: need commit_every >= 1 and keep >= 2, got "
                              f"commit_every={commit_every}, keep={keep}")
-        _refuse_sharded(optimizer)
+        _refuse_sharded(model, optimizer)
         d = self.__dict__
         d["model"], d["optimizer"], d["sampler"] = model, optimizer, sampler
         d["commit_every"], d["keep"], d["scale_lr"] = int(commit_every), int(keep), scale_lr
@@ -495,7 +504,18 @@ def _commit_after_average(state: State, wrapper: Any) -> None:
     algorithm.after_iteration = after_iteration
 
 
-def _refuse_sharded(optimizer: Any) -> None:
+#: Why FSDP and sharded embeddings are refused.
+SHARDED_REASON = "a shard of its parameters dies with its rank (no replica is kept)"
+
+
+def _refuse_sharded(model: Any, optimizer: Any) -> None:
+    if isinstance(model, torch.nn.Module):
+        from ..embedding.module import _ShardedBase
+        from ..sharded.fsdp import FullyShardedDataParallel
+        for module in model.modules():
+            if isinstance(module, (FullyShardedDataParallel, _ShardedBase)):
+                raise CommError(f"commlib.elastic.State: {type(module).__name__} is not "
+                                f"supported: {SHARDED_REASON}")
     if zero_elastic.is_zero(optimizer) and optimizer.reduce_gradients:
         raise CommError("commlib.elastic.State: a ZeroRedundancyOptimizer with "
                         "reduce_gradients=True is not supported (not tested under failures: "
