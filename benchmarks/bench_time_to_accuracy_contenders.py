@@ -2,8 +2,7 @@
 each name trains with, its arguments per model, and the design ratio of its wire bytes.
 
 ``CONTENDERS`` holds the arguments every model uses; ``MODEL_KWARGS[model]`` overrides
-them for one model (the GPT workload's settings: see benchmarks/README.md, "GPT time to
-accuracy"). ``contender(name, model)`` gives what a run uses; the worker records the
+them for one model (the GPT workload's settings: see docs/benchmarks/time-to-accuracy.md). ``contender(name, model)`` gives what a run uses; the worker records the
 resolved arguments with every run (``kwargs``), and the scoring and the cost model read
 them from there.
 """
@@ -63,8 +62,8 @@ DESIGN = {"bytegrad": 0.25, "qadam": 1 / 32, "local_sgd": 1 / 4, "diloco": 1 / 8
 #: bytes on the wire per fp32 element of the min-max codecs (headers: see cost_model)
 _CODES = {"int4": 1 / 8, "int8": 1 / 4, None: 1.0}
 
-#: per-model overrides of CONTENDERS' arguments (the GPT workload, README "GPT time to
-#: accuracy", with the measurements behind them): async_model_average averages every 4
+#: per-model overrides of CONTENDERS' arguments (the GPT workload; the measurements
+#: behind them: docs/benchmarks/time-to-accuracy.md): async_model_average averages every 4
 #: iterations (a round overlapped with the next one) after one epoch of synchronous ones
 #: (12 of the grid's 60 steps), instead of every 50 ms from the start; local SGD every 2
 #: iterations (every 4 ended 1.3 % above synchronous training on the `small` GPT);

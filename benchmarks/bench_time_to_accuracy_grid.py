@@ -1,7 +1,7 @@
 """The GPT time-to-accuracy grid inside a wall-time budget, then every table and plot.
 
     python benchmarks/bench_time_to_accuracy_grid.py --budget-min 25 \\
-        --out benchmarks/results --readme benchmarks/README.md -- <bench_time_to_accuracy args>
+        --out benchmarks/results --readme docs/benchmarks/time-to-accuracy.md -- <bench_time_to_accuracy args>
 
 (``benchmarks/run_tta_gpt.sh`` gives the arguments of the headline run.) One
 ``bench_time_to_accuracy.py`` job per (shape, rate, seed), in priority order: seed 0 of
@@ -165,7 +165,9 @@ def splice(readme: str, section: str, marker: str = "tta-gpt") -> None:
     with open(readme) as fh:
         text = fh.read()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers")
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers (the GPT grids' sections "
+                         f"are in docs/benchmarks/time-to-accuracy.md; the section is also in "
+                         f"OUT/tta_gpt_section.md: --render-only --readme PAGE splices it)")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     with open(readme, "w") as fh:

@@ -130,7 +130,7 @@ def table(panel: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The summary tables as Markdown (for benchmarks/README.md)."""
+    """The summary tables as Markdown (for docs/benchmarks/time-to-accuracy.md)."""
     lines = []
     for key, panel in result["panels"].items():
         s = panel["summary"]

@@ -15,7 +15,7 @@ blocks (causal multi-head self-attention through ``scaled_dot_product_attention`
 4x GELU MLP), a final LayerNorm, the output head tied to the byte embedding. The default
 (``d_model=192, layers=4, heads=4, context=128``) has 1.87 M parameters; :data:`TINY`
 (32 wide, 2 layers, context 32) is the tests' size, :data:`MINI` (64 wide) the
-time-to-accuracy grid's on 2 cores (benchmarks/README.md, "GPT time to accuracy").
+time-to-accuracy grid's on 2 cores (docs/benchmarks/time-to-accuracy.md).
 
 Batches (:func:`batch`): ``batch`` random windows of ``context + 1`` bytes of the training
 bytes from a ``torch.Generator`` the caller seeds (per rank and step: the same data order

@@ -1,7 +1,7 @@
 """The stages of ``benchmarks/gpu_check.sh``: run each with its own timeout, record the
 test counts and figures in ``$OUT/gpu_check.json`` and every stage's output in
 ``$OUT/gpu_check.log``. One failing stage does not stop the others. See
-benchmarks/README.md ("gpu_check.sh") for the JSON's fields.
+docs/benchmarks/gpu-check.md for the JSON's fields.
 
     python benchmarks/gpu_check.py --out DIR [--dry-run] [--budget-s 420]
 """

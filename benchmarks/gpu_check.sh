@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared command that checks commlib's GPU path on a GPU machine with no network
-# (see benchmarks/README.md, "gpu_check.sh"):
+# (see docs/benchmarks/gpu-check.md):
 #
 #   bash benchmarks/gpu_check.sh --fetch-wheels   # here, with PyPI: fill wheelhouse/
 #   bash benchmarks/gpu_check.sh                  # there: install from wheelhouse/, run all

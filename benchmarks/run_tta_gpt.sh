@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPT time to accuracy on the emulated two-tier cluster (issue 23): the grid inside a
 # wall-time budget, then every table, plot, the cost-model validation and the
-# recommendation, spliced into benchmarks/README.md ("GPT time to accuracy").
+# recommendation, spliced into docs/benchmarks/time-to-accuracy.md (the site's page).
 #
 #   benchmarks/run_tta_gpt.sh            # the headline run: an IDLE machine, <= 25 min
 #   benchmarks/run_tta_gpt.sh --smoke    # the whole pipeline in a few minutes (any load);
 #                                        # writes benchmarks/results/tta_gpt_smoke/ only
 #
 # Needs root (network namespaces, tc); without it the jobs run unshaped and say so.
-# Settings (benchmarks/README.md, "GPT time to accuracy", says why these): override any
+# Settings (docs/benchmarks/time-to-accuracy.md says why these): override any
 # of them from the environment, e.g. BUDGET_MIN=20 SEEDS=0,1 benchmarks/run_tta_gpt.sh;
 # RESUME=1 runs the grid in pieces: each call keeps the jobs already done (OUT's
 # tta_gpt_grid.json), runs what its own BUDGET_MIN holds, and renders everything so far
@@ -29,14 +29,14 @@ SEEDS=${SEEDS:-0,1,2}
 BUDGET_MIN=${BUDGET_MIN:-15}       # one locked piece; RESUME=1 for the next
 MARGIN=${MARGIN:-1.05}             # a job starts if used + longest job x this fits
 # the relaxations, the synchronous reference (it sets the target) and torch DDP; left
-# out for time on 2 cores (README: gradient_allreduce_hier, torch_ddp_powersgd, the control)
+# out for time on 2 cores (the page: gradient_allreduce_hier, torch_ddp_powersgd, the control)
 ALGORITHMS=${ALGORITHMS:-gradient_allreduce,bytegrad,local_sgd,async_model_average,diloco,streaming_diloco,powersgd,torch_ddp_gloo}
 DELAY_MS=${DELAY_MS:-0.5}           # one way (netem, or the TUN delay line without it)
 PIN=${PIN:-auto}                   # one core per rank where the machine has one (2x1)
 TIMEOUT=${TIMEOUT:-900}            # one job (every contender of one shape, rate and seed), s
 OUT=${OUT:-benchmarks/results}
-README=${README-benchmarks/README.md}
-MARKER=${MARKER:-tta-gpt}          # the README section: tta-gpt-2x1 for the 2x1 grid
+README=${README-docs/benchmarks/time-to-accuracy.md}
+MARKER=${MARKER:-tta-gpt}          # the page's section: tta-gpt-2x1, tta-gpt-wide
 LOCK=${LOCK-/tmp/commlib-bench.lock}  # one benchmark at a time; LOCK= when the caller holds it
 
 if [[ "${1:-}" == "--smoke" ]]; then

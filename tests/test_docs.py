@@ -362,7 +362,7 @@ def test_site_builds_without_warnings(tmp_path):
     assert done.returncode == 0, (f"sphinx-build exited with {done.returncode} after "
                                   f"{took:.0f} s:\n{done.stderr[-6000:]}")
     assert (out_dir / "index.html").is_file()
-    for page in ("reference/options.html", "reference/cli.html", "benchmarks.html"):
+    for page in ("reference/options.html", "reference/cli.html", "benchmarks/index.html"):
         assert (out_dir / page).is_file(), page
     options = (out_dir / "reference/options.html").read_text()
     assert "COMMLIB_TIMEOUT" in options and "COMMLIB_SHM" in options

@@ -115,7 +115,7 @@ def wait_poll_s(everyone: list[tuple[Any, str, Any]], setting: Any) -> float:
     MPI), from every rank's ``(world rank, machine, cores)`` and the ``wait_poll_us``
     option: a number is taken as given; ``"auto"`` polls every :data:`AUTO_POLL_S` when
     some host runs more of the job's ranks than its ranks can run on (measured on 2
-    cores: FSDP's step at 4 ranks halves, benchmarks/README.md), else 0. ``cores`` is the
+    cores: FSDP's step at 4 ranks halves, docs/benchmarks/sharded.md), else 0. ``cores`` is the
     CPUs a rank may run on (its affinity, :func:`_cores`; a count ``n`` means CPUs
     ``0..n-1``): a host's CPUs are the union of its ranks', so ranks that the launcher
     bound to one core each (Open MPI, Intel MPI) are not oversubscribed."""

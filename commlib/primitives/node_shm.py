@@ -101,7 +101,7 @@ __all__ = ["AUTO_RANGES", "COUNTS", "HIERARCHICAL_MAX_BYTES", "RETIRED", "SEGMEN
 SEGMENT_BYTES = 1 << 20
 #: With ``COMMLIB_SHM=auto``: per operation, the ``[low, high)`` buffer sizes (bytes per
 #: rank; ``high`` None: no bound) it takes through shared memory. Measured at 2 ranks on
-#: the development machine with MPICH 5.0.2 on a quiet machine (benchmarks/README.md,
+#: the development machine with MPICH 5.0.2 on a quiet machine (docs/benchmarks/collectives.md,
 #: "Shared memory inside a node"): allreduce wins from 16 KiB (one barrier and two copies
 #: against MPI's protocol) to 1 MiB, loses from 2 to 16 MiB where MPI's buffers stay in
 #: the 32 MiB L3 and its single-copy transfers move fewer bytes, and wins 3x at 64 MiB

@@ -36,6 +36,6 @@ def wait_poll_s() -> float | None:
     default) as the communicator chose (option ``wait_poll_us``: on a host whose ranks
     outnumber its cores, 50 us between tests instead of a blocking MPI wait, which spins and
     takes the core from a rank's compute; at 4 ranks on 2 cores FULL_SHARD's step halved,
-    benchmarks/README.md, bench_zero.py --wait); ``WAIT_POLL_S`` overrides it for these
+    docs/benchmarks/sharded.md, bench_zero.py --wait); ``WAIT_POLL_S`` overrides it for these
     threads (0: block in MPI). It changes only how a rank waits, not what it sends."""
     return None if WAIT_POLL_S is None else float(WAIT_POLL_S)

@@ -277,13 +277,25 @@ def _summarise(data: Any) -> str | None:
 
 
 class BenchmarksDirective(SphinxDirective):
+    """Every ``*.json`` of the results folder, each under its own section title; or, with
+    arguments (file names or patterns relative to the folder, e.g. ``tta_gpt_2x1/*.json``),
+    only those, each under a rubric (usable inside a page's own sections, e.g. from a MyST
+    page's ``{eval-rst}`` block)."""
     has_content = False
+    optional_arguments = 1
+    final_argument_whitespace = True
 
     def run(self) -> list[nodes.Node]:
         folder = self.config.commlib_results_dir
         text = ""
         generic = []
-        for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        patterns = self.arguments[0].split() if self.arguments else ["*.json"]
+        paths = sorted({p for pattern in patterns
+                        for p in glob.glob(os.path.join(folder, pattern))})
+        if self.arguments and not paths:
+            logger.warning("commlib-benchmarks: no result file matches %s", self.arguments[0],
+                           location=self.get_location())
+        for path in paths:
             self.env.note_dependency(path)
             name = os.path.basename(path)
             try:
@@ -298,8 +310,9 @@ class BenchmarksDirective(SphinxDirective):
                     type(data).__name__
                 generic.append([f"``{name}``", keys])
                 continue
-            title = name
-            text += f"{title}\n{'-' * len(title)}\n\n"
+            title = os.path.relpath(path, folder)
+            text += (f".. rubric:: {title}\n\n" if self.arguments
+                     else f"{title}\n{'-' * len(title)}\n\n")
             made = _MADE_BY.get(_kind(data) or "", "")
             when = _committed(path)
             meta = []
@@ -319,7 +332,8 @@ class BenchmarksDirective(SphinxDirective):
                          f"   :alt: the plot committed beside {name}\n\n")
         if generic:
             title = "Other result files"
-            text += f"{title}\n{'-' * len(title)}\n\n"
+            text += (f".. rubric:: {title}\n\n" if self.arguments
+                     else f"{title}\n{'-' * len(title)}\n\n")
             text += _list_table(["file", "top-level keys"], generic)
         return _parse_rst(self, text)
 
