@@ -9,6 +9,8 @@ Each compressor produces ONE contiguous uint8 buffer that describes itself (see
 alltoall or allgather and be decompressed by the receiver with no side information.
 Buffers of the same kind, element count and chunk size always have the same length.
 
+.. not run: a summary of the signatures, not code
+
 API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)::
 
     quantize_minmax_uint8(x: Array, chunk_size: int = 2048, *, out=None, impl=None,
@@ -26,6 +28,17 @@ API (``Array`` is a numpy array, a torch tensor on CPU or CUDA, or a cupy array)
     compressed_nbytes(numel: int, chunk_size: int = 2048, kind: str = "minmax_uint8") -> int
     read_header(buf: Array) -> Layout     # kind, numel, chunk_size, nchunks, nbytes
     all_chunks_finite(buf: Array) -> bool # False if some chunk is a NaN chunk
+
+For example, a round trip through min-max uint8 (the error is at most half a step of
+each chunk's 255 levels)::
+
+    import numpy as np
+    from commlib import kernels
+
+    x = np.linspace(-1, 1, 5000, dtype=np.float32)
+    buf = kernels.quantize_minmax_uint8(x)
+    assert buf.dtype == np.uint8 and buf.size == kernels.compressed_nbytes(x.size)
+    assert np.abs(kernels.dequantize_minmax_uint8(buf) - x).max() <= 1 / 255
 
 Inputs of any shape are read flattened, as float32 (float16, float64 and torch bfloat16
 are converted first; float64 values beyond the float32 range become Inf and are

@@ -368,6 +368,28 @@ def test_site_builds_without_warnings(tmp_path):
     assert "COMMLIB_TIMEOUT" in options and "COMMLIB_SHM" in options
     assert _untracked_in_docs() == before, "the build left files in docs/"
     print(f"\ndocs build: {took:.1f} s")
+    _check_docstring_blocks_are_walked(tmp_path / "doctrees" / "commlib_docstring_blocks.json")
+
+
+def _norm(code: str) -> str:
+    return "\n".join(line.strip() for line in code.strip().splitlines())
+
+
+def _check_docstring_blocks_are_walked(recorded: Path) -> None:
+    """Every docstring code block the build rendered (the extension records them) is one
+    ``tests/test_docstring_examples.py`` runs or counts as marked: its walk of the
+    reference misses none."""
+    import json
+
+    from test_docstring_examples import BLOCKS
+    rendered = json.loads(recorded.read_text())
+    walked = {_norm(b.code) for b in BLOCKS}
+    missed = [f"{r['docname']}: {r['obj']} (line {r['line']})" for r in rendered
+              if _norm(r["code"]) not in walked]
+    assert not missed, f"docstring blocks on the site that the tests do not see: {missed}"
+    shown = {_norm(r["code"]) for r in rendered}
+    print(f"{len(shown)} distinct docstring code blocks on the site, all among the "
+          f"{len(BLOCKS)} of tests/test_docstring_examples.py")
 
 
 def _untracked_in_docs() -> set[str] | None:

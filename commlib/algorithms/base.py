@@ -5,6 +5,8 @@ that :class:`commlib.DistributedDataParallel` calls at fixed points of a trainin
 wrapper knows nothing of any particular algorithm; an algorithm never touches MPI, only
 commlib's collectives, on ``ctx.group``.
 
+.. not run: a diagram of the hooks' order, not code
+
 Lifecycle, on every rank, in this order::
 
     setup(ctx)                      once, after parameters were broadcast from rank 0

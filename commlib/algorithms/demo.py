@@ -3,6 +3,8 @@
 Gradients never travel: each rank keeps its own momentum and sends only a few DCT
 coefficients of it.
 
+.. not run: pseudocode of the algorithm's step
+
 Per iteration, for every tensor (parameter) of every gradient bucket, on every rank::
 
     delta  = decay * delta + lr * grad              # local momentum (compression_decay)
@@ -42,6 +44,8 @@ learning rate of its step; pass ``lr=`` a callable returning the learning rate t
 coming ``optimizer.step()`` will use (e.g. ``lambda: opt.param_groups[0]["lr"]``; read
 during each backward, after the previous iteration's ``scheduler.step()``), or a float.
 The reference reads each param group's own lr; here one value serves every tensor.
+
+.. not run: a formula, not code
 
 **Bytes per step.** One ``allgather`` per bucket of a uint8 buffer holding the bucket's
 values (gradient dtype, ``e`` bytes each) then its indices (``w_t`` bytes each, little

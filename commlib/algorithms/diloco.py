@@ -1,6 +1,8 @@
 """``diloco``: DiLoCo (Douillard et al., 2023, arXiv 2311.08105): inner steps with the user's
 optimizer, then an outer Nesterov-SGD step on the averaged pseudo-gradient.
 
+.. not run: pseudocode of the algorithm's step
+
 Every rank keeps the *global* weights ``g`` (the same on every rank) and trains its own
 replica ``x`` with the user's (inner) optimizer for ``sync_every`` (H) iterations. Then,
 once every optimizer of the H-th iteration stepped (before the next forward, or in

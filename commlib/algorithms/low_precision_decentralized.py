@@ -1,6 +1,8 @@
 """``low_precision_decentralized``: decentralized SGD over a ring whose links carry
 min-max uint8-compressed weight differences.
 
+.. not run: pseudocode of the algorithm's step
+
 This is DCD-PSGD (Tang et al., 2018, "Communication Compression for Decentralized
 Training"). Every rank keeps replicas that both ends of a link update identically: its
 copies of the left and right neighbours' weights (``x_left``, ``x_right``) and the public

@@ -3,6 +3,8 @@ inner optimizer for DiLoCo"): DiLoCo whose inner optimizer is Muon (AdamW for th
 parameters that are not matrices) and whose pseudo-gradients travel compressed, with an
 error-feedback accumulator per rank.
 
+.. not run: pseudocode of the algorithm's step
+
 Every rank keeps the global weights ``g`` (the same on every rank) and trains its replica
 ``x`` with the user's inner optimizer (:func:`muloco_inner_optimizer` builds the paper's:
 Muon for 2-D weights, AdamW for the rest) for ``sync_every`` (H) iterations. Then, per

@@ -1,6 +1,8 @@
 """Exchange precision of gradient-averaging algorithms: ``comm_dtype`` and
 ``predivide_factor``, with Horovod's semantics.
 
+.. not run: pseudocode of the algorithm's step
+
 A bucket of gradients ``g`` (any floating dtype) is averaged over ``n`` ranks as::
 
     send = (g / f)  cast to comm_dtype       # before the sum (f = predivide_factor)

@@ -23,8 +23,18 @@ is averaging ``m``; but ``u`` has Adam's per-element scale (order one everywhere
 gradients of 1e-10 next to weights of 1e-2). Compressing ``m`` would give such elements
 the chunk's error, which division by their tiny ``sqrt(v)`` turns into huge steps. Use it with :class:`QAdamOptimizer`::
 
-    ddp = commlib.DistributedDataParallel(model, algorithm="qadam", warmup_steps=100)
-    opt = commlib.algorithms.qadam.QAdamOptimizer(ddp.parameters(), lr=1e-3)
+    # run: mpiexec -n 2
+    import torch
+    import commlib
+    from commlib.algorithms.qadam import QAdamOptimizer
+
+    model = torch.nn.Linear(8, 2)
+    ddp = commlib.DistributedDataParallel(model, algorithm="qadam", warmup_steps=2)
+    opt = QAdamOptimizer(ddp.parameters(), lr=1e-3)
+    for step in range(4):                    # 2 warm-up steps, then compressed momentum
+        opt.zero_grad()
+        ddp(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
 """
 from __future__ import annotations
 

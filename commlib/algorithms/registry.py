@@ -1,7 +1,9 @@
 """The algorithm registry: built-in algorithms, decorated user classes and third-party
-packages that declare an entry point in the group ``commlib.algorithms``::
+packages that declare an entry point in the group ``commlib.algorithms``:
 
-    # pyproject.toml of a third-party package
+.. code-block:: toml
+
+    # not run: the pyproject.toml of a third-party package, not code
     [project.entry-points."commlib.algorithms"]
     my_algo = "my_package.module:MyAlgorithm"
 

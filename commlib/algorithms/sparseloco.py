@@ -2,6 +2,8 @@
 DiLoCo's outer loop whose outer momentum is replaced by a per-replica error-feedback
 buffer, and whose pseudo-gradients travel as a chunked top-k of 2-bit values.
 
+.. not run: pseudocode of the algorithm's step
+
 Every rank keeps the *global* weights ``g`` (the same on every rank), its own
 error-feedback buffer ``e`` (different on every rank) and trains its replica ``x`` with
 the user's (inner) optimizer for ``sync_every`` (H) iterations. Then, once every optimizer
@@ -37,6 +39,8 @@ bit and a level ``q = clamp(round((|v| - lo) / s), 0, L - 1)`` with
 ``s = (hi - lo) / (L - 1)`` (``q = 0`` where ``s = 0``); the code is ``q + L * (v < 0)``.
 Decoded: ``+-(lo + q * s)``, computed in the global weights' dtype from the float32
 scales. So 2 bits give the four levels ``+-lo, +-hi``; 8 bits 128 magnitudes per sign.
+
+.. not run: a formula, not code
 
 **Message of a bucket and bytes per outer step.** With N_b chunks, K_b = sum of their
 k_c, index width ``w = max(1, bit_length(C - 1))`` bits (12 for C = 4096)::

@@ -24,6 +24,20 @@ from .errors import where
 
 
 class ReduceOp(enum.Enum):
+    """A reduction operator: the ``op`` of :func:`commlib.allreduce`, :func:`commlib.reduce`
+    and :func:`commlib.reduce_scatter`, which also take its name in any case (the module
+    docstring above says which dtypes each operator takes)::
+
+        # run: mpiexec -n 2
+        import numpy as np
+        import commlib
+
+        commlib.init()
+        x = np.array([1.0, 2.0]) * (commlib.get_rank() + 1)     # [1, 2] and [2, 4]
+        assert commlib.allreduce(x.copy(), op=commlib.ReduceOp.MAX).tolist() == [2.0, 4.0]
+        assert commlib.allreduce(x.copy(), op="avg").tolist() == [1.5, 3.0]   # in place
+    """
+
     SUM = "sum"
     AVG = "avg"
     MIN = "min"

@@ -9,8 +9,20 @@ initialized (e.g. with the ``commlib`` backend); the hooks below need nothing bu
 semantics as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``; also
 importable as ``commlib.hooks``::
 
+    # run: mpiexec -n 2
+    import torch
+    import commlib
+
+    ddp = commlib.DistributedDataParallel(torch.nn.Linear(8, 2))
     ddp.register_comm_hook(None, commlib.hooks.fp16_compress_hook)
-    ddp.register_comm_hook(None, commlib.hooks.bf16_compress_wrapper(my_hook))
+    ddp(torch.randn(4, 8)).sum().backward()        # gradients averaged in float16
+
+    def my_hook(state, bucket):                    # torch's hook signature
+        return commlib.hooks.allreduce_hook(state, bucket)
+
+    other = commlib.DistributedDataParallel(torch.nn.Linear(8, 2))
+    other.register_comm_hook(None, commlib.hooks.bf16_compress_wrapper(my_hook))
+    other(torch.randn(4, 8)).sum().backward()      # my_hook's exchange in bfloat16
 
 For a precision choice without a hook (and with a predivide factor), pass
 ``comm_dtype=``/``predivide_factor=`` to :class:`commlib.DistributedDataParallel`.

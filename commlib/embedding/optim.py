@@ -94,6 +94,7 @@ class RowAdam(RowOptimizer):
     bias correction from the batch index ``step`` (every rank alike, whether or not its
     shard got rows in that batch)::
 
+        # not run: a formula, not code
         m[r] += (1 - b1) (g - m[r]);  v[r] += (1 - b2) (g^2 - v[r])
         w[r] -= lr sqrt(1 - b2^t) / (1 - b1^t) * m[r] / (sqrt(v[r]) + eps)
     """

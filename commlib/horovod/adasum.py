@@ -1,6 +1,7 @@
 """Adasum (Maleki et al., "Scaling Distributed Training with Adaptive Summation"), as
 Horovod combines two gradients ``a`` and ``b``::
 
+    # not run: a formula, not code
     adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
 
 (a coefficient stays 1 when its norm squared is below ``sqrt(DBL_MIN)``), with the dot

@@ -5,12 +5,29 @@ Horovod's names and semantics (``horovod/common/elastic.py``,
 rank (:mod:`commlib.fault.fault_tolerance`: launch with ``COMMLIB_FAULT_TOLERANT=1`` and
 ``mpiexec -disable-auto-cleanup``, one hydra proxy per failure domain)::
 
+    # run: COMMLIB_FAULT_TOLERANT=1 mpiexec -disable-auto-cleanup -n 2
+    import torch
+    import commlib.horovod as hvd
+
     hvd.init()
+    model = torch.nn.Linear(4, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(list(range(32)))
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
 
     @hvd.elastic.run
     def train(state):
-        ...; state.commit()
+        for state.epoch in range(state.epoch, 2):
+            indices = list(sampler)
+            for state.batch in range(state.batch, len(indices) // 4):
+                optimizer.zero_grad()
+                model(torch.randn(4, 4)).sum().backward()
+                optimizer.step()
+                sampler.record_batch(state.batch, 4)
+                state.commit()
+            state.batch = 0
+            sampler.set_epoch(state.epoch + 1)
 
     train(state)
 

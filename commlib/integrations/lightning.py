@@ -2,6 +2,7 @@
 
 ::
 
+    import lightning as L
     import commlib                      # registers strategy="commlib" (imports no Lightning)
     trainer = L.Trainer(accelerator="cpu", strategy="commlib", max_epochs=3)
     # or, with an algorithm and its arguments (and any commlib DDP argument):

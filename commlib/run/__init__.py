@@ -1,5 +1,6 @@
 """``python -m commlib``: run an unmodified torch DDP script on commlib::
 
+    # not run: the command line's synopsis (docs/reference/cli runs --help)
     mpiexec -n 4 python -m commlib [--algorithm NAME] [--algorithm-config JSON]
                                    [--backend commlib|gloo] train.py ARGS...
     torchrun --nproc-per-node 4 -m commlib [...] train.py ARGS...

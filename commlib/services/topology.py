@@ -4,6 +4,8 @@
 :class:`Topology` builds on it one :class:`commlib.Group` per axis (and per pair of axes)
 for this rank, with :func:`commlib.new_subgroup`.
 
+.. not run: a formula, not code
+
 ``order`` lists the axes from the fastest varying to the slowest: under the default
 ``"tp-pp-dp"`` the ranks of a tensor-parallel group are consecutive (they share a node
 first, as Megatron-LM places them), then pipeline stages, then data-parallel replicas::

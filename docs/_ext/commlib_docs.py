@@ -20,6 +20,12 @@ The check: after every page is read, each public name of the modules listed in
 define) must be described somewhere in the reference (as itself, or, for a re-exported
 class or function, the same object under another public name); a missing one is a
 warning, so ``sphinx-build -W`` fails.
+
+Docstring code blocks: every code block of a docstring autodoc renders must be runnable
+or marked not runnable (``commlib_docstring_blocks.py``; an unmarked one is a warning);
+the blocks are recorded in ``commlib_docstring_blocks.json`` in the doctree directory,
+which ``tests/test_docs.py`` compares with the blocks ``tests/test_docstring_examples.py``
+runs.
 """
 from __future__ import annotations
 
@@ -606,6 +612,51 @@ class MappingDirective(SphinxDirective):
         return _parse_rst(self, _list_table(header, rows, "25 75"))
 
 
+# -- code blocks of the docstrings the reference renders ----------------------------------
+
+def check_docstring_blocks(app: Any, what: str, name: str, obj: Any, options: Any,
+                           lines: list[str]) -> None:
+    """Record every code block of a docstring autodoc renders, and warn (an error under
+    ``-W``) about one that is neither runnable nor marked not runnable
+    (``docs/_ext/commlib_docstring_blocks.py``; ``tests/test_docstring_examples.py`` runs
+    them). Runs last, on the lines the page shows."""
+    from commlib_docstring_blocks import parse_docstring
+    env = app.env
+    store = env.__dict__.setdefault("commlib_docstring_blocks", {})
+    for block in parse_docstring("\n".join(lines), name):
+        store.setdefault(env.docname, []).append(
+            {"obj": name, "line": block.line, "lang": block.lang, "code": block.code,
+             "runs": block.runs, "not_run": block.not_run})
+        if block.not_run is None and not block.runs:
+            logger.warning("a %s code block in the docstring of %s (its line %d) is neither "
+                           "run nor marked: start it with '# run: ...' or '# not run: "
+                           "REASON'", block.lang, name, block.line,
+                           location=env.docname, type="commlib", subtype="docstring")
+
+
+def _purge_docstring_blocks(app: Any, env: Any, docname: str) -> None:
+    env.__dict__.get("commlib_docstring_blocks", {}).pop(docname, None)
+
+
+def _merge_docstring_blocks(app: Any, env: Any, docnames: Any, other: Any) -> None:
+    store = env.__dict__.setdefault("commlib_docstring_blocks", {})
+    for docname, blocks in other.__dict__.get("commlib_docstring_blocks", {}).items():
+        if docname in docnames:
+            store[docname] = blocks
+
+
+def write_docstring_blocks(app: Any, exception: Any) -> None:
+    """``commlib_docstring_blocks.json`` in the doctree directory: the docstring code blocks
+    the site shows (what ``tests/test_docs.py`` compares with the blocks it runs)."""
+    if exception is not None:
+        return
+    store = app.env.__dict__.get("commlib_docstring_blocks", {})
+    out = [dict(block, docname=docname) for docname in sorted(store)
+           for block in store[docname]]
+    with open(os.path.join(app.doctreedir, "commlib_docstring_blocks.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
 def setup(app: Any) -> dict[str, Any]:
     app.connect("autodoc-process-docstring", drop_type_docstrings)
     app.add_directive("commlib-mapping", MappingDirective)
@@ -619,4 +670,8 @@ def setup(app: Any) -> dict[str, Any]:
     app.add_directive("commlib-algorithm", AlgorithmDirective)
     app.add_directive("commlib-algorithm-classes", AlgorithmClassesDirective)
     app.connect("env-check-consistency", check_reference)
+    app.connect("autodoc-process-docstring", check_docstring_blocks, priority=700)
+    app.connect("env-purge-doc", _purge_docstring_blocks)
+    app.connect("env-merge-info", _merge_docstring_blocks)
+    app.connect("build-finished", write_docstring_blocks)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,6 +1,8 @@
 """What ``d_kfac`` and ``dp_kfac`` share: hyperparameters, layers, owners, the schedule,
 factor capture, KL clipping and writing the preconditioned gradients back.
 
+.. not run: a diagram of the step, not code
+
 Per iteration, on every rank (``step`` = iterations completed before this one)::
 
     before_forward    arm factor capture iff step % factor_update_steps == 0
