@@ -447,6 +447,30 @@ def test_reference_check_catches_a_missing_name(monkeypatch):
         "commlib.algorithms.get", "commlib.algorithms.register"}
 
 
+def test_build_catches_an_unmarked_docstring_block(monkeypatch):
+    """Negative control of the build's docstring check: a shell block without a marker in
+    a docstring autodoc renders is a warning (an error under ``-W``); a marked one and a
+    Python one are recorded, not warned about."""
+    ext = _extension()
+    warned = []
+    monkeypatch.setattr(ext.logger, "warning", lambda msg, *args, **kw: warned.append(args))
+
+    class Env:
+        docname = "reference/api/x"
+
+    class App:
+        env = Env()
+
+    lines = ("Launch::\n\n    # not run: needs Slurm\n    srun python t.py\n\n"
+             ".. code-block:: bash\n\n   srun python t.py\n\nExample::\n\n    x = 1\n"
+             ).splitlines()
+    ext.check_docstring_blocks(App(), "function", "commlib.f", None, None, lines)
+    assert warned == [("bash", "commlib.f", 8)]
+    recorded = App.env.commlib_docstring_blocks["reference/api/x"]
+    assert [(r["lang"], r["runs"], r["not_run"]) for r in recorded] == [
+        ("python", False, "needs Slurm"), ("bash", False, None), ("python", True, None)]
+
+
 def test_internal_references_must_exist():
     """References to commlib objects outside the reference render as text only when the
     object exists: a typo still fails the nitpicky build."""

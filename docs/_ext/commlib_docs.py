@@ -47,6 +47,8 @@ from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
+from commlib_docstring_blocks import parse_docstring
+
 logger = logging.getLogger(__name__)
 
 
@@ -620,7 +622,6 @@ def check_docstring_blocks(app: Any, what: str, name: str, obj: Any, options: An
     ``-W``) about one that is neither runnable nor marked not runnable
     (``docs/_ext/commlib_docstring_blocks.py``; ``tests/test_docstring_examples.py`` runs
     them). Runs last, on the lines the page shows."""
-    from commlib_docstring_blocks import parse_docstring
     env = app.env
     store = env.__dict__.setdefault("commlib_docstring_blocks", {})
     for block in parse_docstring("\n".join(lines), name):
