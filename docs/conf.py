@@ -4,13 +4,18 @@ Build: ``sphinx-build -W -n --keep-going -b html docs docs/_build/html`` (what
 ``tests/test_docs.py`` runs, into a temporary directory). Warnings are errors and
 references are nitpicky: every cross-reference must resolve.
 
-Intersphinx (links into the Python, numpy, torch and mpi4py documentation) needs their
-``objects.inv`` inventories. Our build machines cannot reach those sites, so intersphinx
-is optional: it is used for each project whose inventory is found in ``docs/_inventories``
-(``python.inv``, ``numpy.inv``, ``torch.inv``, ``mpi4py.inv``), or for all of them online
-with ``COMMLIB_DOCS_INTERSPHINX=1``. Without an inventory, references into those
-namespaces are plain text and nitpicky mode ignores them (``nitpick_ignore_regex`` below
-lists the namespaces); references to commlib's own objects are always checked.
+Intersphinx (links into the Python, numpy, mpi4py and torch documentation) needs their
+``objects.inv`` inventories, and our build machines cannot reach those sites. So the
+inventories are committed in ``docs/_inventories`` (``python.inv``, ``numpy.inv``,
+``mpi4py.inv``; where each comes from and its version: ``docs/_inventories/README.md``),
+and a reference into Python, numpy or mpi4py is resolved and checked by nitpicky mode like
+one to commlib: a wrong one fails the build. torch publishes its inventory only on its
+website (its wheels and sdist carry no built documentation, and no Debian package ships
+it), so ``torch.inv`` is not there: references into torch (and into the other namespaces
+of ``_EXTERNAL`` below, which have no inventory either) stay plain text, and nitpicky mode
+ignores them. A namespace whose inventory is missing from ``docs/_inventories`` is ignored
+the same way; ``COMMLIB_DOCS_INTERSPHINX=1`` fetches every inventory online instead
+(torch's included) where the network allows.
 """
 from __future__ import annotations
 
@@ -60,9 +65,9 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = True
 add_module_names = False
 
-# -- intersphinx (optional, see the module docstring) -------------------------------------
+# -- intersphinx (see the module docstring) -----------------------------------------------
 _INVENTORIES = {
-    "python": "https://docs.python.org/3",
+    "python": "https://docs.python.org/3.11",
     "numpy": "https://numpy.org/doc/stable",
     "torch": "https://pytorch.org/docs/stable",
     "mpi4py": "https://mpi4py.readthedocs.io/en/stable",
@@ -79,15 +84,21 @@ intersphinx_timeout = 10
 
 # -- nitpicky mode ------------------------------------------------------------------------
 nitpicky = True
-# Names outside commlib: resolved by intersphinx where its inventory is present, plain
-# text (and not a warning) otherwise. commlib's own names are never ignored.
-_EXTERNAL = r"(torch|numpy|np|mpi4py|MPI|cupy|lightning|pytorch_lightning|accelerate|" \
-            r"concurrent|threading|collections|typing|typing_extensions|types|os|pathlib|" \
-            r"argparse|enum|dataclasses|contextlib|warnings|socket|io|abc|numba|" \
-            r"importlib|subprocess|queue|weakref|functools|sklearn|horovod|nn|optim|F|" \
-            r"Tensor|Module|Parameter|Optimizer|dist|datetime)"
+# Names outside commlib without an inventory: plain text, not a warning. A namespace whose
+# inventory is loaded (above) is checked; commlib's own names are never ignored.
+_NAMESPACES = {
+    "python": r"concurrent|threading|collections|typing|types|os|pathlib|"
+              r"argparse|enum|dataclasses|contextlib|warnings|socket|io|abc|importlib|"
+              r"subprocess|queue|weakref|functools|datetime",
+    "numpy": r"numpy|np",
+    "mpi4py": r"mpi4py|MPI",
+}
+_EXTERNAL = r"torch|typing_extensions|cupy|lightning|pytorch_lightning|accelerate|numba|" \
+            r"sklearn|horovod|nn|optim|F|Tensor|Module|Parameter|Optimizer|dist"
+_ignored = [_EXTERNAL] + [names for project, names in _NAMESPACES.items()
+                          if project not in intersphinx_mapping]
 nitpick_ignore_regex = [
-    (r"py:.*", _EXTERNAL + r"(\..*)?"),
+    (r"py:.*", r"(" + "|".join(_ignored) + r")(\..*)?"),
     (r"py:.*", r"c10d::.*"),          # torch's C++ names in its inherited docstrings
 ]
 

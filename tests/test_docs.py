@@ -392,6 +392,50 @@ def _check_docstring_blocks_are_walked(recorded: Path) -> None:
           f"{len(BLOCKS)} of tests/test_docstring_examples.py")
 
 
+@serial_only
+def test_external_references_are_checked(tmp_path):
+    """With the committed inventories (``docs/_inventories``), references into Python,
+    numpy and mpi4py resolve to their sites, and a wrong one fails the nitpicky build
+    (negative control: a misspelled name in each); torch's, without an inventory, stay
+    plain text. A two-page site with ``docs/conf.py``'s intersphinx and nitpick settings."""
+    missing = _have_sphinx()
+    if missing:
+        pytest.skip(f"{missing} is not installed (pip install -e '.[docs]')")
+    for name in ("python", "numpy", "mpi4py"):
+        assert (DOCS / "_inventories" / f"{name}.inv").is_file(), name
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(
+        f"import runpy\n_conf = runpy.run_path({str(DOCS / 'conf.py')!r})\n"
+        "extensions = ['sphinx.ext.intersphinx']\n"
+        "intersphinx_mapping = _conf['intersphinx_mapping']\n"
+        "nitpicky = True\nnitpick_ignore_regex = _conf['nitpick_ignore_regex']\n")
+    good = (":class:`numpy.ndarray`, :func:`os.getpid`, :class:`mpi4py.MPI.Comm`, "
+            ":class:`torch.Tensor`")
+    bad = ["numpy.no_such_function", "os.no_such_function", "mpi4py.MPI.NoSuchComm"]
+
+    def build(text: str) -> tuple[subprocess.CompletedProcess, str]:
+        (src / "index.rst").write_text(f"Title\n=====\n\n{text}\n")
+        out = tmp_path / "html"
+        done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-n", "--keep-going",
+                               "-q", "-E", "-b", "html", str(src), str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        page = (out / "index.html").read_text() if (out / "index.html").exists() else ""
+        return done, page
+
+    done, page = build(good)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for site in ("numpy.org/doc/stable/reference/generated/numpy.ndarray.html",
+                 "docs.python.org/3.11/library/os.html#os.getpid",
+                 "mpi4py.readthedocs.io/en/stable/reference/mpi4py.MPI.Comm.html"):
+        assert site in page, site
+    assert "pytorch.org" not in page
+    done, _ = build(", ".join(f":func:`{name}`" for name in bad))
+    assert done.returncode != 0
+    for name in bad:
+        assert f"py:func reference target not found: {name}" in done.stderr, done.stderr
+
+
 def _untracked_in_docs() -> set[str] | None:
     """Files under docs/ that git neither tracks nor ignores (None without git)."""
     try:

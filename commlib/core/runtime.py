@@ -33,8 +33,8 @@ def _on_expiry(pending: tuple[Any, ...]) -> None:
 def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicator:
     """Initialize commlib (idempotent) and return the world communicator.
 
-    ``comm`` is the ``mpi4py.MPI.Comm`` that commlib treats as its world (default
-    ``MPI.COMM_WORLD``; it is duplicated so commlib's messages never match the caller's).
+    ``comm`` is the :class:`mpi4py.MPI.Comm` that commlib treats as its world (default
+    :data:`mpi4py.MPI.COMM_WORLD`; it is duplicated so commlib's messages never match the caller's).
     ``check`` turns checking mode on or off; other keyword arguments set
     :data:`commlib.options` (``timeout``, ``local_size``, ``cuda_aware``,
     ``abort_on_exception``...), and unknown names raise ``TypeError``. A second call with a
