@@ -289,8 +289,11 @@ PLANNED = [("gradient_allreduce", "3", "12", True), ("gradient_allreduce", "3", 
            ("diloco", "3", "12", False), ("diloco", "3", "14", False),
            ("streaming_diloco", "3", "11", False), ("streaming_diloco", "3", "12", False),
            ("powersgd", "3", "12", False), ("low_precision_decentralized", "3", "13", False),
+           # (sparseloco and muloco: no exchange between outer steps, the survivors
+           # learn of the death at a commit's fence and agree on step 13, or 12)
            ("qadam", "3", "12", False), ("sparseloco", "3", "12", False),
-           ("muloco", "3", "12", False), ("demo", "3", "12", False),
+           ("sparseloco", "3", "13", False), ("muloco", "3", "12", False),
+           ("muloco", "3", "13", False), ("demo", "3", "12", False),
            ("gradient_allreduce", "3,2", "12,12", False), ("gradient_allreduce", "", "", False)]
 _references: dict[tuple, dict[int, dict]] = {}
 

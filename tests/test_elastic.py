@@ -182,6 +182,14 @@ def test_other_algorithms(tmp_path, tmp_path_factory, algorithm):
     found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left, algorithm)
     if synced:  # the last average (outer step), before step 14
         assert found[0]["recoveries"][0]["step"] == 12
+    if algorithm in ("sparseloco", "muloco"):
+        # no exchange until step 16's outer step: the survivors learn of the death at a
+        # commit's fence, the earliest of their last commits is agreed (MPICH: 13 in 5 of
+        # 6 runs, 12 once), and inner steps after the outer step of 12 are kept, not
+        # discarded as diloco's
+        rec = found[0]["recoveries"][0]
+        assert rec["step"] in (12, 13, 14, 15), rec
+        assert rec["step"] == min(v[0] for v in rec["values"].values()), rec
     if algorithm == "low_precision_decentralized":  # neighbour copies rebuilt for 3 ranks
         assert all(r["ring"] for r in found.values()), {k: r["ring"] for k, r in found.items()}
 
