@@ -109,7 +109,7 @@ html_static_path: list[str] = []
 copybutton_prompt_text = r"\$ |>>> |\.\.\. "
 copybutton_prompt_is_regexp = True
 
-# -- commlib_docs (docs/_ext/commlib_docs.py) ---------------------------------------------
+# -- commlib_docs (docs/_ext/commlib_docs/) ----------------------------------------------
 # Every public name of these modules (their __all__, else their public attributes defined
 # in them) must be documented in the reference, or the build fails.
 commlib_public_modules = [

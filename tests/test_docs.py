@@ -480,10 +480,11 @@ def test_reference_check_catches_a_missing_name(monkeypatch):
             commlib_public_modules = ["commlib.algorithms"]
 
     warned = []
-    monkeypatch.setattr(ext.logger, "warning", lambda msg, *args, **kw: warned.append(args[0]))
-    monkeypatch.setattr(ext, "_resolve", lambda name: algorithms.register
+    monkeypatch.setattr(ext.reference.logger, "warning",
+                        lambda msg, *args, **kw: warned.append(args[0]))
+    monkeypatch.setattr(ext.reference, "_resolve", lambda name: algorithms.register
                         if name == "commlib.register_elsewhere" else None)
-    ext.check_reference(App(), Env())
+    ext.reference.check_reference(App(), Env())
     assert "commlib.algorithms.available" in warned
     assert "commlib.algorithms.get" not in warned          # documented as itself
     assert "commlib.algorithms.register" not in warned     # the same object, another name
@@ -497,7 +498,8 @@ def test_build_catches_an_unmarked_docstring_block(monkeypatch):
     Python one are recorded, not warned about."""
     ext = _extension()
     warned = []
-    monkeypatch.setattr(ext.logger, "warning", lambda msg, *args, **kw: warned.append(args))
+    monkeypatch.setattr(ext.docstring_examples.logger, "warning",
+                        lambda msg, *args, **kw: warned.append(args))
 
     class Env:
         docname = "reference/api/x"
@@ -508,7 +510,7 @@ def test_build_catches_an_unmarked_docstring_block(monkeypatch):
     lines = ("Launch::\n\n    # not run: needs Slurm\n    srun python t.py\n\n"
              ".. code-block:: bash\n\n   srun python t.py\n\nExample::\n\n    x = 1\n"
              ).splitlines()
-    ext.check_docstring_blocks(App(), "function", "commlib.f", None, None, lines)
+    ext.docstring_examples.check_docstring_blocks(App(), "function", "commlib.f", None, None, lines)
     assert warned == [("bash", "commlib.f", 8)]
     recorded = App.env.commlib_docstring_blocks["reference/api/x"]
     assert [(r["lang"], r["runs"], r["not_run"]) for r in recorded] == [
@@ -519,11 +521,11 @@ def test_internal_references_must_exist():
     """References to commlib objects outside the reference render as text only when the
     object exists: a typo still fails the nitpicky build."""
     ext = _extension()
-    assert ext._exists("commlib.primitives.node_shm")
-    assert ext._exists("commlib.algorithms.base.Algorithm.on_bucket_ready")
-    assert not ext._exists("commlib.primitives.no_such_module")
-    assert not ext._exists("commlib.algorithms.base.Algorithm.no_such_hook")
-    assert not ext._exists("numpy.ndarray")
+    assert ext.resolution._exists("commlib.primitives.node_shm")
+    assert ext.resolution._exists("commlib.algorithms.base.Algorithm.on_bucket_ready")
+    assert not ext.resolution._exists("commlib.primitives.no_such_module")
+    assert not ext.resolution._exists("commlib.algorithms.base.Algorithm.no_such_hook")
+    assert not ext.resolution._exists("numpy.ndarray")
 
 
 def test_benchmark_results_are_summarised_or_listed():
@@ -535,7 +537,7 @@ def test_benchmark_results_are_summarised_or_listed():
     assert files
     for path in files:
         data = json.loads(path.read_text())
-        summary = ext._summarise(data)
+        summary = ext.benchmark_summaries._summarise(data)
         assert summary is None or summary.strip(), path.name
-    assert ext._summarise({"made": "up", "schema": [1, 2]}) is None
-    assert ext._summarise([1, 2, 3]) is None
+    assert ext.benchmark_summaries._summarise({"made": "up", "schema": [1, 2]}) is None
+    assert ext.benchmark_summaries._summarise([1, 2, 3]) is None

@@ -5,7 +5,7 @@ The reference (``docs/reference``) is autodoc: its ``.. automodule::``, ``.. aut
 on the site, code blocks included. This module walks the same objects (a module's
 docstring and its public members, a class's docstring and, with ``:members:``, its public
 methods and properties, docstrings inherited as autodoc inherits them), parses their code
-blocks (``docs/_ext/commlib_docstring_blocks.py``: ``::`` literal blocks,
+blocks (``docs/_ext/commlib_docs/docstring_blocks.py``: ``::`` literal blocks,
 ``.. code-block::``, ``>>>`` doctest blocks) and treats each like a block of a page
 (``tests/test_docs.py``): a Python block runs in a fresh directory (``# run: mpiexec -n 2``
 under mpiexec), a doctest block runs under :mod:`doctest` (its output compared), a shell
@@ -35,7 +35,7 @@ from test_docs import SHELL, run_snippet
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PARSER = DOCS / "_ext" / "commlib_docstring_blocks.py"
+PARSER = DOCS / "_ext" / "commlib_docs" / "docstring_blocks.py"   # no Sphinx import
 
 
 def _load_parser():
