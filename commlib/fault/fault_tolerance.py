@@ -49,7 +49,10 @@ ch4), and no MPI operation ever completes with an error once a peer is dead: a b
 * **Communicator creation** (``Split``, ``Split_type``, ``Create_group``) has no
   nonblocking form: it runs on a helper thread while the caller waits with failure
   detection; on a failure the thread is left inside MPI (it spins there for the rest of the
-  process). ``Dup`` is ``MPI_Comm_idup``.
+  process). ``Dup`` is ``MPI_Comm_idup``; under Open MPI's ULFM the communicators made
+  after a failure, and those derived from them, are built with
+  ``MPI_Comm_create_from_group`` instead (:attr:`FTComm.key`; why:
+  :mod:`commlib.fault.ft_backend`).
 
 Survivors never call ``MPI_Finalize`` (it hangs once a peer is dead): in this mode the exit
 path of :mod:`commlib.core.exits` leaves through ``os._exit`` after flushing.
@@ -296,11 +299,19 @@ class FTComm(MPI.Intracomm):
 
     known_dead: frozenset = frozenset()
     watcher: Watcher
+    #: The name its members know it by, the same on each and no other communicator's
+    #: (the agreement's, for one made after a failure; its parent's and the call's for
+    #: one derived from it); None: made by the library's allocator, as are those derived
+    #: from it (see :attr:`commlib.fault.ft_backend.Backend.derive_by_create`).
+    key: str | None = None
 
-    def ft_init(self, known_dead: Iterable[int] | None = None, name: str = "") -> FTComm:
+    def ft_init(self, known_dead: Iterable[int] | None = None, name: str = "",
+                key: str | None = None) -> FTComm:
         self.watcher = w = watcher()
         self.known_dead = w.dead if known_dead is None else frozenset(known_dead)
         self.name = name
+        self.key = key
+        self._derived: dict[tuple, int] = {}
         group = self.Get_group()
         try:
             self.world_ranks = tuple(MPI.Group.Translate_ranks(
@@ -339,8 +350,26 @@ class FTComm(MPI.Intracomm):
             raise self.failure(op)
 
     # -- communicator creation ----------------------------------------------------------
+    def _create(self, group: Any, what: tuple) -> FTComm:
+        """The communicator of ``group`` (of this one), built by its members with the
+        backend's :meth:`~commlib.fault.ft_backend.Backend.create` under a name derived
+        from this one's :attr:`key` and ``what`` (the call, the same on every member), on
+        a helper thread (:func:`in_thread`); only where :attr:`key` is set."""
+        b = _backend()
+        n = self._derived.get(what, 0)
+        self._derived[what] = n + 1  # (members call creations in the same order)
+        key = f"{self.key}/{'/'.join(map(str, what))}#{n}"
+        new = in_thread(self, b.create_op, b.create, self, group, 0, key)
+        return adopt(new, self.known_dead, self.name, key)
+
     def Dup(self, info: Any = None) -> FTComm:
         self.check("Comm_idup")
+        if self.key is not None:  # (Open MPI after a failure: not through its allocator)
+            group = self.Get_group()
+            try:
+                return self._create(group, ("dup",))
+            finally:
+                group.Free()
         new, req = _start(self, "Comm_idup", MPI.Intracomm.Idup,
                           *(() if info is None else (info,)))
         FTRequest(req, self, new, "Comm_idup").Wait()
@@ -359,11 +388,24 @@ class FTComm(MPI.Intracomm):
             group.Free()
 
     def Split_type(self, split_type: int, key: int = 0, info: Any = None) -> Any:
+        if self.key is not None:  # (see Dup)
+            if split_type != MPI.COMM_TYPE_SHARED:
+                raise CommError(f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): "
+                                f"MPI_Comm_split_type of type {split_type} on the "
+                                f"communicator {self.name} (made after a failure on "
+                                f"{_backend().impl.describe()}) is not supported: only "
+                                f"MPI_COMM_TYPE_SHARED")
+            hosts = self.allgather(MPI.Get_processor_name())
+            return self.Split(sorted(set(hosts)).index(hosts[self.Get_rank()]), key)
         args = (split_type, key) if info is None else (split_type, key, info)
         new = in_thread(self, "Comm_split_type", MPI.Intracomm.Split_type, self, *args)
         return new if new == MPI.COMM_NULL else adopt(new, self.known_dead, self.name)
 
     def Create_group(self, group: Any, tag: int = 0) -> FTComm:
+        if self.key is not None:  # (see Dup)
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                              self.watcher.base)
+            return self._create(group, ("group", tag, tuple(ranks)))
         new = in_thread(self, "Comm_create_group", MPI.Intracomm.Create_group, self, group,
                         tag)
         return adopt(new, self.known_dead, self.name)
@@ -427,13 +469,15 @@ for _name in _BLOCKING:
     setattr(FTComm, _name, _blocking(_name, "I" + _name.lower()))
 
 
-def adopt(comm: Any, known_dead: Iterable[int] | None = None, name: str = "") -> FTComm:
+def adopt(comm: Any, known_dead: Iterable[int] | None = None, name: str = "",
+          key: str | None = None) -> FTComm:
     """``comm`` (an ``mpi4py`` intracommunicator, not freed: the same MPI handle) as an
     :class:`FTComm`; ``known_dead``: ranks dead before it was made (default: those known
-    now)."""
+    now); ``key``: :attr:`FTComm.key` (those derived from it are built with the
+    backend's ``create``)."""
     if isinstance(comm, FTComm):  # mpi4py makes the results of Dup etc. of our type
-        return comm if "watcher" in comm.__dict__ else comm.ft_init(known_dead, name)
-    return FTComm(comm).ft_init(known_dead, name)
+        return comm if "watcher" in comm.__dict__ else comm.ft_init(known_dead, name, key)
+    return FTComm(comm).ft_init(known_dead, name, key)
 
 
 class CallTimedOut(CommError):

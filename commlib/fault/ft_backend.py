@@ -30,6 +30,17 @@ left, and each one's value) and build their communicator. What differs is here:
   (:func:`iprobe_any`: ``MPI_Comm_ack_failed``); and since ``MPI_Comm_create_group`` fails
   on a parent holding a dead process, the survivors' communicator is
   ``MPI_Comm_create_from_group`` (only its members take part, as in MPICH's path).
+  Open MPI 5.0's context-id allocation (``MPI_Comm_idup``, ``MPI_Comm_dup``, ``split``,
+  ``MPI_Comm_create_group``: a nonblocking allreduce over the parent) does not survive a
+  death during it: the ``MPI_Comm_idup`` ends with ``MPI_ERR_INTERN``, and every later
+  allocation of that process waits for good, its peers all alive (5.0.11: a probe, 2 of 2
+  survivors; a spare's death while the survivors duplicated the group they had just
+  merged it into hung the next group's first ``MPI_Comm_idup``, 3 of 4 join cases of
+  ``tests/test_elastic_spares.py``). ``MPI_Comm_create_from_group`` takes its context id
+  from PMIx and still works then, so every communicator made after a failure (the
+  survivors', the merged group's: :attr:`Backend.derive_by_create`) and every one derived
+  from it is built with it (:meth:`Backend.create`, under a name its members derive alike:
+  ``commlib.fault.fault_tolerance.FTComm.Dup``), never through the allocator.
   ``MPI_Comm_shrink``/``MPI_Comm_agree`` are not used: the agreement must carry each
   survivor's value (its committed step) and count ranks that left the program (still
   alive for a while, which ``MPI_Comm_shrink`` would wait for), and one protocol on every
@@ -103,6 +114,11 @@ class Backend:
     key = ""
     #: The MPI call that builds the survivors' communicator (named in errors).
     create_op = "Comm_create_group"
+    #: Whether the communicators made after a failure (the survivors', a merged group's)
+    #: and those derived from them (``Dup``, ``Split``, ``Create_group``,
+    #: ``Split_type``) are built with :meth:`create` instead of the library's
+    #: ``MPI_Comm_idup``/``MPI_Comm_create_group`` (Open MPI: :class:`Ulfm`).
+    derive_by_create = False
 
     def __init__(self, impl: Implementation) -> None:
         self.impl = impl
@@ -161,6 +177,7 @@ class Local(Backend):
 class Ulfm(Backend):
     key = "ulfm"
     create_op = "Comm_create_from_group"
+    derive_by_create = True  # (Open MPI's context-id allocator, see the module docstring)
     FAILURES = frozenset((MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED))
 
     def detector(self) -> Callable[[], Iterable[int]] | None:

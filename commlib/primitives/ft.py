@@ -134,11 +134,11 @@ def shrink(comm: Communicator, value: Any = 0,
     members still alive, in the same order, and the :class:`Decision` (see
     :func:`commlib.primitives.group.shrink`, which makes a group of it)."""
     limit = float(options.timeout if timeout is None else timeout)
-    mpi, decision, known = _agree_and_create(
+    mpi, decision, known, key = _agree_and_create(
         tuple(comm.world_ranks), value, limit, frozenset(getattr(comm.mpi, "known_dead", ())),
         CREATE_TAG_BASE)
     name = f"{comm.name}/shrunk{len(decision.dead)}"
-    new = Communicator(fault_tolerance.adopt(mpi, known, name), comm.watchdog, name,
+    new = Communicator(fault_tolerance.adopt(mpi, known, name, key), comm.watchdog, name,
                        decision.members)
     if comm is runtime._world:
         runtime._world = new
@@ -170,11 +170,11 @@ def assemble(universe: tuple[int, ...], value: Any = 0, timeout: float | None = 
     the communicator has failed then, on every member alike."""
     universe = tuple(int(r) for r in universe)
     limit = float(options.timeout if timeout is None else timeout)
-    mpi, decision, known = _agree_and_create(universe, value, limit, frozenset(),
-                                             ASSEMBLE_TAG_BASE, agreed_dead=True)
+    mpi, decision, known, key = _agree_and_create(universe, value, limit, frozenset(),
+                                                  ASSEMBLE_TAG_BASE, agreed_dead=True)
     label = f"{name}{list(decision.members)}"
-    new = Communicator(fault_tolerance.adopt(mpi, known, label), runtime.world().watchdog,
-                       label, decision.members)
+    new = Communicator(fault_tolerance.adopt(mpi, known, label, key),
+                       runtime.world().watchdog, label, decision.members)
     return new, decision
 
 
@@ -205,10 +205,13 @@ def become_world(comm: Communicator) -> None:
 
 def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
                       prior: frozenset, tag_base: int,
-                      agreed_dead: bool = False) -> tuple[Any, Decision, frozenset]:
+                      agreed_dead: bool = False
+                      ) -> tuple[Any, Decision, frozenset, str | None]:
     """The survivors' agreement over ``universe`` and their MPI communicator (on the
-    control communicator; see :func:`shrink`); returns it, the decision and the ranks it
-    knows dead (``prior`` among them). ``agreed_dead`` (:func:`assemble`): the dead outside
+    control communicator; see :func:`shrink`); returns it, the decision, the ranks it
+    knows dead (``prior`` among them) and its :attr:`~commlib.fault.fault_tolerance.
+    FTComm.key` (the name of the creation, where the backend derives communicators from
+    it with its ``create``: Open MPI; else None). ``agreed_dead`` (:func:`assemble`): the dead outside
     ``universe`` are the union of those the members know, agreed with the values."""
     ag = agreement()
     timeouts = 0
@@ -251,7 +254,7 @@ def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
                 continue
             finally:
                 members.Free()
-            return mpi, decision, known
+            return mpi, decision, known, (f"{tag}/{key}" if b.derive_by_create else None)
 
 
 def grow(comm: Communicator, n: int, command: str | None = None,
