@@ -311,7 +311,7 @@ class FTComm(MPI.Intracomm):
         self.known_dead = w.dead if known_dead is None else frozenset(known_dead)
         self.name = name
         self.key = key
-        self._derived: dict[tuple, int] = {}
+        self._derived: dict[tuple[Any, ...], int] = {}
         group = self.Get_group()
         try:
             self.world_ranks = tuple(MPI.Group.Translate_ranks(
@@ -350,7 +350,7 @@ class FTComm(MPI.Intracomm):
             raise self.failure(op)
 
     # -- communicator creation ----------------------------------------------------------
-    def _create(self, group: Any, what: tuple) -> FTComm:
+    def _create(self, group: Any, what: tuple[Any, ...]) -> FTComm:
         """The communicator of ``group`` (of this one), built by its members with the
         backend's :meth:`~commlib.fault.ft_backend.Backend.create` under a name derived
         from this one's :attr:`key` and ``what`` (the call, the same on every member), on
