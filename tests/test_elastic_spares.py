@@ -20,11 +20,10 @@ the other survivor and trains; it hung before); the spare used up, then a second
 killed: with ``replace=True`` a replacement is spawned (3+1: back at 3 ranks, exact);
 ``spares`` larger than the job refused on every rank; in the store-backed world
 (``commlib.mpi.launch``, rank 0 hosting the store), a spare replaces a killed trainer (3+1,
-exact). (The first cases passed by hand on Open MPI with ``--with-ft ulfm`` and on Intel
-MPI too, 2026-12-05; the joining cases passed on Intel MPI, but on Open MPI 6 of 8 failed
-(the one examined hung: the survivors all inside ``MPI_Comm_idup`` after the recovery):
-open. tests/run_all.sh runs
-this file on MPICH only.) Negative control: a joining spare that keeps its
+exact). On Open MPI (``--with-ft ulfm``) the joining cases hung until the communicators
+made after a failure were built without Open MPI's context-id allocator (a death during an
+``MPI_Comm_idup`` leaves it stuck: see :mod:`commlib.fault.ft_backend`); tests/run_all.sh
+runs this file on MPICH and on Open MPI. Negative control: a joining spare that keeps its
 own model instead of the state it received (``--skip-spare-state``): the check must see the
 difference.
 """
