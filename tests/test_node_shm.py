@@ -272,11 +272,14 @@ def test_shapes_and_non_contiguous(group):
 
 @pytest.mark.mpi
 @pytest.mark.usefixtures("setting")
-def test_dispatch_by_size_async_and_world_window():
+def test_dispatch_by_size_async_and_world_window(monkeypatch):
     """``auto``: shared memory inside the measured ranges (on the world's own window, 1 MiB
     halves: 1.5 MiB takes two steps), MPI outside them (below the first, between two, for
-    allgather and broadcast); ``async_op=True`` stays on MPI; ``0`` never."""
+    allgather and broadcast); ``async_op=True`` stays on MPI; ``0`` never. The dispatch is
+    checked with MPICH's ranges on every runtime (each runtime's own are checked below)."""
     r, n = commlib.get_rank(), commlib.get_world_size()
+    for op, ranges in node_shm.MPICH_AUTO_RANGES.items():
+        monkeypatch.setitem(node_shm.AUTO_RANGES, op, ranges)
     options.shm = "auto"
     (low, high), (big, _) = node_shm.AUTO_RANGES["allreduce"]
     cases = ((low - 4, False), (low, n > 1), ((3 << 20) // 2, n > 1), (high, False),
@@ -305,6 +308,30 @@ def test_dispatch_by_size_async_and_world_window():
     if n > 1:
         nw = node_shm.window(commlib.world().comm)
         assert nw.whole and nw.half_bytes == node_shm.SEGMENT_BYTES
+
+
+def test_auto_ranges_per_runtime():
+    """``COMMLIB_SHM=auto`` takes the ranges measured on this process's MPI: MPICH's
+    defaults, overridden per operation by the implementation's ``shm_auto_ranges``; every
+    range well formed and ascending (``auto`` stops below the first)."""
+    from commlib.mpi import mpi_impl as impls
+    impl = impls.current()
+    expected = {**node_shm.MPICH_AUTO_RANGES, **dict(impl.shm_auto_ranges)}
+    assert node_shm.AUTO_RANGES == expected
+    assert set(expected) == {"allreduce", "reduce_scatter", "allgather", "broadcast"}
+    for op, ranges in expected.items():
+        lows = [low for low, _ in ranges]
+        assert lows == sorted(lows), op
+        for low, high in ranges:
+            assert low > 0 and (high is None or high > low), (op, low, high)
+            assert node_shm.auto(op, low) and (high is None or node_shm.auto(op, high - 1))
+        assert not ranges or not node_shm.auto(op, ranges[0][0] - 1), op
+    for key in ("mpich", "openmpi", "intel"):   # every known runtime names known ops only
+        other = impls.identify({"mpich": "MPICH Version: 5.0.2",
+                                   "openmpi": "Open MPI v5.0.11",
+                                   "intel": "Intel(R) MPI Library 2021.18.1"}[key])
+        assert other.key == key
+        assert set(dict(other.shm_auto_ranges)) <= set(node_shm.MPICH_AUTO_RANGES), key
 
 
 @pytest.mark.mpi

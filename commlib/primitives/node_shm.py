@@ -85,13 +85,14 @@ from ..base.errors import CommError, where
 from ..base.options import options
 from ..base.reduce_ops import ReduceOp
 from ..core.communicator import Communicator
+from ..mpi import mpi_impl
 from . import shm_window
 from ._base import finish_reduce
 from .shm_reduce import Combine, combiner
 from .shm_window import RETIRED, NodeWindow
 
-__all__ = ["AUTO_RANGES", "COUNTS", "HIERARCHICAL_MAX_BYTES", "RETIRED", "SEGMENT_BYTES",
-           "WHOLE_STEP_BYTES", "NodeWindow", "allgather", "allreduce", "auto", "broadcast",
+__all__ = ["AUTO_RANGES", "COUNTS", "HIERARCHICAL_MAX_BYTES", "MPICH_AUTO_RANGES", "RETIRED",
+           "SEGMENT_BYTES", "WHOLE_STEP_BYTES", "NodeWindow", "allgather", "allreduce", "auto", "broadcast",
            "combiner", "hierarchical_allreduce", "reduce_all", "reduce_scatter", "use",
            "use_hierarchical", "window"]
 
@@ -113,12 +114,17 @@ SEGMENT_BYTES = 1 << 20
 #: reduce_scatter wins 1.4-3.8x from 256 KiB on; allgather and broadcast never win at 2
 #: ranks (MPI's single-copy transfers: one copy per byte against the tier's two).
 #: Each operation's ranges are in ascending order (auto() stops below the first).
-AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
+#: Other MPI implementations measure differently (their own shared-memory collectives):
+#: their overrides come from :attr:`commlib.mpi.mpi_impl.Implementation.shm_auto_ranges`
+#: at import (:data:`MPICH_AUTO_RANGES` keeps MPICH's).
+MPICH_AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
     "allreduce": ((16 << 10, 2 << 20), (32 << 20, None)),
     "reduce_scatter": ((256 << 10, None),),
     "allgather": (),
     "broadcast": (),
 }
+AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
+    **MPICH_AUTO_RANGES, **dict(mpi_impl.current(MPI).shm_auto_ranges)}
 #: Allreduce steps of at most this many bytes are reduced whole by every rank (one barrier
 #: instead of two; see :func:`reduce_all`).
 WHOLE_STEP_BYTES = 64 << 10

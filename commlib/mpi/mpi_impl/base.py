@@ -76,6 +76,12 @@ class Implementation:
     #: Known defects worked around in commlib, one line each (documentation and
     #: ``commlib-info``).
     known_bugs: tuple[str, ...] = field(default_factory=tuple)
+    #: Where ``COMMLIB_SHM=auto`` takes an operation through commlib's shared-memory tier
+    #: on this implementation, per operation name (``"allreduce"``...): ``[low, high)``
+    #: byte ranges (``high`` None: no bound), measured against this implementation's own
+    #: collectives (``benchmarks/bench_collectives.py --shm``). Operations not named keep
+    #: :data:`commlib.primitives.node_shm.AUTO_RANGES`' defaults (measured on MPICH).
+    shm_auto_ranges: tuple[tuple[str, tuple[tuple[int, int | None], ...]], ...] = ()
 
     def launch_args(self, n: int, fault_tolerant: bool = False,
                     oversubscribe: bool | None = None,
