@@ -255,10 +255,7 @@ def test_every_docstring_block_is_run_or_marked():
 # Docstrings this change could not edit (another change owns the module at the time):
 # their blocks run and are expected to fail until they are fixed or marked; strict, so
 # the entry must go once they pass.
-PENDING = {
-    "commlib.elastic": "the package docstring's example uses undefined names (Net, "
-                       "dataset, loss_fn); commlib/elastic is another change's",
-}
+PENDING: dict[str, str] = {}
 
 
 def _params(blocks: list[DocBlock]) -> list:

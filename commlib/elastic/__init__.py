@@ -6,21 +6,30 @@ see :mod:`commlib.fault.fault_tolerance` for the launch it needs) makes a dead p
 :class:`~commlib.PeerFailure` on every survivor; this package turns that into training that
 goes on, with an API a Horovod-elastic user recognizes::
 
+    # run: COMMLIB_FAULT_TOLERANT=1 mpiexec -disable-auto-cleanup -n 2
+    import torch
+    import commlib
+
     commlib.init(fault_tolerant=True)
-    model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sampler = commlib.elastic.ElasticSampler(len(dataset), batch_size=96)
+    torch.manual_seed(0)
+    x, y = torch.randn(960, 8), torch.randn(960, 1)          # the dataset, on every rank
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = commlib.elastic.ElasticSampler(len(x), batch_size=96)
     state = commlib.elastic.State(model, optimizer, sampler, epoch=0)
+    total_steps = 20
 
     @commlib.elastic.run
     def train(state):
         ddp = state.wrap(algorithm="gradient_allreduce")   # over the current group
         while state.step < total_steps:
             idx = sampler.indices(state.step, state.group.rank, state.group.size)
-            loss = loss_fn(ddp(x[idx]), y[idx])
+            loss = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx])
             loss.backward(); optimizer.step(); optimizer.zero_grad()
-            state.commit()
+            state.commit()                              # the step is done on every rank
 
     train(state)
+    print(commlib.get_rank(), state.step, float(model.weight.sum()))
 
 :class:`State` holds the model, optimizer, sampler and user values and commits them in
 memory; :func:`run` catches the failure, shrinks the group, restores the agreed commit on
