@@ -112,9 +112,11 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
             "the shared-memory tier inside a node (commlib.primitives.node_shm) for blocking "
             "allreduce, reduce_scatter, allgather and broadcast of host memory when every "
             "rank of the group is on one node: auto (the default) in the size ranges where "
-            "it was measured faster than MPI (node_shm.AUTO_RANGES: allreduce 16 KiB-2 MiB "
-            "and from 32 MiB, reduce_scatter from 256 KiB), 1 at any size, 0 never (MPI "
-            "only); set it alike on every rank"),
+            "it was measured faster than this MPI implementation's own collectives "
+            "(node_shm.AUTO_RANGES; on MPICH allreduce 16 KiB-2 MiB and from 32 MiB, "
+            "reduce_scatter from 256 KiB; on Open MPI and Intel MPI allreduce from 32 MiB, "
+            "reduce_scatter from 256 KiB and 64 MiB), 1 at any size, 0 never (MPI only); "
+            "set it alike on every rank"),
     "force_staging": (_as_bool, False, "COMMLIB_FORCE_STAGING",
                       "route CPU torch tensors through the host staging path used for GPU "
                       "buffers on MPI libraries that are not CUDA-aware (for testing)"),

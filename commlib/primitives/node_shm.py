@@ -51,8 +51,10 @@ a blocking call (``async_op=True`` stays on MPI), on host memory (numpy arrays, 
 tensors, and the host staging of GPU buffers), when every rank of the communicator is on
 one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer's size is in one of
 the ranges of :data:`AUTO_RANGES` for that operation, where it beat MPI in
-``benchmarks/bench_collectives.py --shm`` (allreduce from 16 KiB to 2 MiB and from 32 MiB
-on, reduce_scatter from 256 KiB on; allgather and broadcast never: MPI's single-copy
+``benchmarks/bench_collectives.py --shm`` against the MPI implementation in use (MPICH:
+allreduce from 16 KiB to 2 MiB and from 32 MiB on, reduce_scatter from 256 KiB on; Open MPI
+and Intel MPI, whose own small allreduces the tier does not beat: allreduce from 32 MiB,
+reduce_scatter from 256 KiB and 64 MiB; allgather and broadcast never: MPI's single-copy
 transfers move fewer bytes); ``COMMLIB_SHM=1`` takes it at any size, ``COMMLIB_SHM=0``
 never. The decision depends only
 on what every rank passes alike (size, dtype, kind of memory), so every rank takes the same

@@ -51,4 +51,12 @@ def identify(text: str) -> Implementation | None:
         ),
         slurm_mpi_plugins=("pmi2", "none"),
         uses_ucx=False,
+        # COMMLIB_SHM=auto (bench_collectives.py --shm, 2 ranks, 2026-12-05, four runs:
+        # docs/benchmarks/collectives.md): Intel MPI's own shared-memory allreduce is fast
+        # below a few MiB (6 us at 64 KiB), the tier 0.18-0.56x of it from 16 KiB to
+        # 1 MiB in every run, 1.0-1.4x from 2 to 16 MiB, 2.2-5.9x from 32 MiB;
+        # reduce_scatter 0.26-0.77x up to 1 MiB, 1.0-1.4x from 2 to 16 MiB, 0.34x at
+        # 32 MiB in 2 of 3 runs, 1.3-3.8x at 64 MiB: the tier only where it won every run
+        shm_auto_ranges=(("allreduce", ((32 << 20, None),)),
+                         ("reduce_scatter", ((64 << 20, None),))),
     )

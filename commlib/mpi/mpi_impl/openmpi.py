@@ -72,6 +72,12 @@ def identify(text: str) -> Implementation | None:
             "shared PMIx server), and commlib serves PMI-1 only"),
         slurm_mpi_plugins=("pmix",),
         uses_ucx=False,
+        # COMMLIB_SHM=auto (bench_collectives.py --shm, 2 ranks, 2026-12-05, three runs:
+        # docs/benchmarks/collectives.md): the tier's allreduce from 16 KiB to 2 MiB is
+        # 0.7-1.2x Open MPI's own (median 0.9: no gain, unlike MPICH), 2.8-3.1x from
+        # 32 MiB in 2 of 3 runs (0.8-1.0x in the third, the machine's slow mode);
+        # reduce_scatter keeps MPICH's range (1.03-9.6x from 256 KiB in every run)
+        shm_auto_ranges=(("allreduce", ((32 << 20, None),)),),
         known_bugs=(
             "MPI_SUM of 8- and 16-bit integers saturates (op/avx, open-mpi/ompi#8045): "
             "commlib starts Open MPI with OMPI_MCA_op=^avx",
