@@ -1,12 +1,7 @@
 """Network emulation for the benchmarks: a rate-limited loopback, and a two-tier cluster.
 
-**One shared link** (:func:`shaped_namespace`, :func:`run_limited`): a Linux network
-namespace whose loopback is shaped with an HTB class of the given rate (``tc``); MPICH is
-forced onto TCP over that loopback:
-``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp MPIR_CVAR_CH4_SHM_ENABLE=0 MPIR_CVAR_NOLOCAL=1``
-(all four are needed: without the netmod setting large messages bypass the limit). gloo,
-which uses TCP on loopback anyway, is limited too. The limit applies to the whole
-namespace: all ranks share ONE link of that rate, like ranks behind one switch port.
+**One shared link** (:func:`shaped_namespace`, :func:`run_limited`): every rank behind one
+shaped loopback; described in :mod:`netsim_link`.
 
 **Two-tier cluster** (:func:`two_tier`): ``nodes`` emulated hosts of ``ranks_per_node``
 ranks each. Ranks of one node share memory (MPICH's shared-memory transport, commlib's
