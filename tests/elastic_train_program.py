@@ -14,6 +14,11 @@ ranks alive). Fault ``F`` on victim ``R_i`` at step ``K_i``:
 ``kill``     SIGKILL in the middle of the step's backward (some gradient buckets on their
              way, others not yet)
 ``exit``     ``os._exit(7)`` at the same point
+``killfwd``  SIGKILL in the middle of the step's forward (a forward hook of the second
+             linear layer: the first layer computed, nothing of the step exchanged)
+``killcommit`` SIGKILL in the middle of ``State.commit`` of step ``K`` (the optimizer step
+             applied and counted, the commit not recorded; the others commit and meet
+             the death in the next step's exchange)
 ``sysexit``  an ordinary ``sys.exit(0)`` between steps
 ``lag``      the victim is killed right after its step's exchange; survivor rank 1 then
              behaves as if its own exchange had failed (raises ``PeerFailure`` before its
@@ -245,6 +250,10 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     fault = faults and plan.get(me) == step and args.fault
     if fault == "idlekill":  # a victim that trains is killed as by "kill"
         fault = "kill"
+    if fault == "killfwd":  # dies mid-forward: the first layer computed
+        tr.model[2].register_forward_hook(lambda *a: die("kill"))
+    if fault == "killcommit":  # dies inside commit: stepped and counted, not recorded
+        st.__dict__["_record"] = lambda *a, **k: die("kill")
     out = ddp(X[idx])  # (local_sgd: the pending average first)
     if fault == "lagavg":
         die("kill")

@@ -15,7 +15,8 @@ Faults (4 ranks on the MPI implementation under test, each rank a failure domain
 and the launcher keeping the others running: one hydra proxy per rank and
 ``-disable-auto-cleanup`` on MPICH, ``--with-ft ulfm`` on Open MPI, see
 ``elastic_common.per_rank_hosts``): ``os._exit`` of one
-rank mid-backward (with ``scale_lr``); two successive SIGKILLs; ``lag``: the survivors are
+rank mid-backward (with ``scale_lr``); two successive SIGKILLs; a SIGKILL mid-forward and
+one inside ``State.commit``; ``lag``: the survivors are
 made one step apart (one applies the step, one does not), so that the rank behind must
 receive the state from one ahead (``lagavg``: the same with ``local_sgd``'s average, where
 it keeps its own optimizer state); SIGKILL mid-backward under ``decentralized`` (replicas
@@ -120,6 +121,19 @@ def test_two_successive_failures(tmp_path, tmp_path_factory):
     status, _, out, left = ft_job(tmp_path, "--fault", "kill", "--victims", "3,2",
                                   "--at", "8,16")
     check(tmp_path, tmp_path_factory, [0, 1], 2, status, out, left)
+
+
+@pytest.mark.parametrize("fault", ["killfwd", "killcommit"])
+def test_killed_mid_forward_or_inside_the_commit(tmp_path, tmp_path_factory, fault):
+    """Rank 3 SIGKILLed in the middle of step 12's forward (nothing of the step exchanged:
+    the survivors agree on 12) or inside its commit (its optimizer step applied and counted,
+    the commit not recorded; the survivors commit 13 where their exchange completed, 12
+    where it was given up on, and agree on the most advanced): exact against the run that
+    shrinks at the agreed step."""
+    status, _, out, left = ft_job(tmp_path, "--fault", fault)
+    found = check(tmp_path, tmp_path_factory, [0, 1, 2], 1, status, out, left)
+    agreed = found[0]["recoveries"][0]["step"]
+    assert agreed in ((12,) if fault == "killfwd" else (12, 13)), found[0]["recoveries"]
 
 
 def test_survivors_one_step_apart(tmp_path, tmp_path_factory):
