@@ -5,6 +5,8 @@ and what to use instead. One process; the multi-rank behaviour is tests/test_ela
 (the launch without ULFM refused on every rank included)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from mpi4py import MPI
 
@@ -156,3 +158,52 @@ def test_a_blocking_call_on_a_helper_thread_is_bounded(monkeypatch):
         fault_tolerance.in_thread(Alive(), "Comm_create_from_group", threading.Event().wait,
                                   5, limit_s=0.2)
     assert time.monotonic() - start < 3
+
+
+def test_a_call_given_up_on_keeps_its_own_group():
+    """``fault_tolerance.in_thread`` hands its helper thread a copy of each MPI group (and
+    info) among the arguments: a caller frees its group once the call is given up on (a
+    peer died: ``ft._agree_and_create``'s ``finally``), while the call still runs inside
+    MPI, and MPICH's ``MPI_Comm_create_group`` reads its group until it returns (a freed
+    one: MPICH's assertion in ``allreduce_group.c``, or a segfault; measured with the
+    survivors' creation given up on 1 ms in at 3 ranks). Here the call outlives the give-up
+    and reads its group after the caller freed its own: it sees the group; the copy is
+    freed when the call returns. Negative control: the caller's freed group is unusable."""
+    import threading
+
+    from commlib.base.errors import PeerFailure
+    from commlib.fault import fault_tolerance
+
+    release, returned = threading.Event(), threading.Event()
+    seen: list = []
+
+    def call(group, info):
+        release.wait(10)
+        seen.extend([group.Get_size(), info.Get("commlib_test"), group])
+        returned.set()
+        return None
+
+    class Dying:
+        failed = False
+
+        def failure(self, op):
+            return PeerFailure(f"given up on {op}", failed=[1])
+
+    comm = Dying()
+    group = MPI.COMM_WORLD.Get_group()
+    info = MPI.Info.Create()
+    info.Set("commlib_test", "kept")
+    threading.Timer(0.05, lambda: setattr(comm, "failed", True)).start()
+    with pytest.raises(PeerFailure, match="given up on Comm_create_group"):
+        fault_tolerance.in_thread(comm, "Comm_create_group", call, group, info)
+    group.Free()  # as the caller does, the call still running
+    info.Free()
+    with pytest.raises(MPI.Exception):  # the negative control: the caller's is gone
+        group.Get_size()
+    release.set()
+    assert returned.wait(10)
+    assert seen[:2] == [MPI.COMM_WORLD.Get_size(), "kept"], seen
+    deadline = time.monotonic() + 5  # (freed by the helper thread just after the call)
+    while seen[2] != MPI.GROUP_NULL and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen[2] == MPI.GROUP_NULL, "the copy was not freed after the call"
