@@ -4,7 +4,7 @@ driven by test_elastic_zero.py and benchmarks/bench_elastic_zero.py.
 Usage::
 
     mpiexec ... python elastic_zero_program.py OUTDIR [--optimizer adam|sgd] [--steps N]
-        [--victim R] [--at K] [--lose-replica]
+        [--victim R] [--at K] [--when backward|commit] [--lose-replica]
     python elastic_zero_program.py OUTDIR --reference [--optimizer adam|sgd] [--steps N]
 
 A float64 MLP trained through ``commlib.elastic`` (``State``, ``run``, ``ElasticSampler``:
@@ -13,7 +13,10 @@ the global batch of 24 samples of each step split over the ranks alive) with a
 ``state.wrap(algorithm="gradient_allreduce")``, optimizer buckets of 40 elements (the
 shards cut through parameters). Rank ``R`` is SIGKILLed in the middle of the backward of
 step ``K``; the survivors rebuild its optimizer shard from the replica on rank ``R + 1``
-and go on over a new partition. ``--lose-replica``: the rebuild ignores the replicas (the
+and go on over a new partition. ``--when commit``: rank ``R`` dies in step ``K``'s commit
+instead, before sending its replica (the replica exchange is nonblocking: the others
+recorded that commit, and its successor, lacking the replica, goes back one commit with
+everyone). ``--lose-replica``: the rebuild ignores the replicas (the
 dead rank's elements restart without optimizer state): wrong on purpose, the negative
 control. Every rank that finishes writes ``OUTDIR/rank{r}.json`` (the step, the ledger of
 the group size that applied each step, the recoveries, the parameters as float64 bytes in
@@ -39,6 +42,7 @@ parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--victim", type=int, default=1)
 parser.add_argument("--at", type=int, default=12)
 parser.add_argument("--lose-replica", action="store_true")
+parser.add_argument("--when", default="backward", choices=["backward", "commit"])
 parser.add_argument("--reference", action="store_true")
 args = parser.parse_args()
 if not args.reference:
@@ -103,7 +107,11 @@ def train(st: elastic.State) -> None:
         step, group = st.step, st.group
         idx = sampler.indices(step, group.rank, group.size)
         out = ddp(X[idx])
-        if me == args.victim and step == args.at:
+        if me == args.victim and step == args.at and args.when == "commit":
+            # dies in this step's commit, before sending its replica (the others recorded
+            # the commit; its successor never receives the replica)
+            zero_elastic._BEFORE_SEND = lambda: os.kill(os.getpid(), signal.SIGKILL)
+        if me == args.victim and step == args.at and args.when == "backward":
             hidden = out.grad_fn.next_functions[1][0]  # dies mid-backward
             hidden.register_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
         torch.nn.functional.mse_loss(out, Y[idx]).backward()

@@ -14,6 +14,7 @@ from ..ddp.replicas import per_rank_state
 from ..primitives import broadcast, world
 from . import transfer
 from . import zero as zero_elastic
+from .commit_buffers import copy_tree
 
 # How each algorithm's state survives a failure (see the State docstring).
 REPLICATED = "replicated"      # every replica holds the same state at a commit
@@ -156,6 +157,10 @@ class State:
             sampler.state = self
         if optimizer is not None:
             optimizer.register_step_post_hook(self._counted)
+        d["_ring"] = None           # ZeRO: the replica exchange in flight
+        if zero_elastic.is_zero(optimizer):
+            d["_ring"] = zero_elastic.Ring()
+            optimizer.register_step_pre_hook(lambda *args: self._ring.wait())
         self._record(full=False)
 
     # -- user values as attributes -----------------------------------------------------
@@ -218,29 +223,36 @@ class State:
             pending.wait()
 
     def _settle(self) -> None:
-        """Wait for the pending fence (training over on every member: each started the
-        same fences)."""
+        """Wait for the pending fence and replica exchange (training over on every
+        member: each started the same)."""
         self._fence_wait()
+        if self._ring is not None:
+            self._ring.wait()
 
     def _record(self, full: bool, step: int | None = None, values: dict | None = None) -> None:
         d = self.__dict__
         snap = _Snapshot(self.step if step is None else step,
                          copy.deepcopy(self.values) if values is None else values)
+        commits = d["_commits"]
+        # the commit that falls out: its copies' tensors take this one's (in place)
+        old = commits[0] if len(commits) >= self.keep and commits[0].full else None
         if full:
-            with per_rank_state():  # each rank's own replica, on purpose
-                snap.model = {k: v.detach().clone()
-                              for k, v in self.model.state_dict().items()}
+            # ZeRO first: its exchange with the neighbours starts while the ranks are
+            # still in step (right after the optimizer's all-gather)
             if zero_elastic.is_zero(self.optimizer):  # own shard, replica of the previous
-                snap.optimizer = zero_elastic.commit(self.optimizer)
+                snap.optimizer = zero_elastic.commit(self.optimizer, self._ring,
+                                                     old and old.optimizer)
                 d["replica_bytes"] = snap.optimizer["replica_bytes"]
             else:
-                snap.optimizer = (copy.deepcopy(self.optimizer.state_dict())
+                snap.optimizer = (copy_tree(self.optimizer.state_dict(),
+                                            old and old.optimizer)
                                   if self.optimizer is not None else None)
+            with per_rank_state():  # each rank's own replica, on purpose
+                snap.model = copy_tree(self.model.state_dict(), old and old.model)
             # (no wrapper yet, e.g. a spare that just received the state: what it holds)
             snap.algorithm = (self._wrapper.algorithm.state_dict()
                               if self._wrapper is not None
                               else getattr(self, "_algorithm_state", None))
-        commits = d["_commits"]
         commits.append(snap)
         del commits[:-self.keep]
         d["_steps_at_commit"] = self._optimizer_steps
@@ -316,6 +328,9 @@ class State:
         if self._empty:  # a joining spare before its state arrived: nothing to restore
             return (-1, False)
         last = self._commits[-1]
+        if self._ring is not None and not self._ring.received() and len(self._commits) > 1:
+            # ZeRO: the replica of the last commit did not arrive (see zero.Ring)
+            return (self._commits[-2].step, self._commits[-2].full)
         clean = self._clean and self._optimizer_steps == self._steps_at_commit
         return (last.step, bool(clean or last.full))
 
@@ -328,6 +343,8 @@ class State:
         if fence is not None:   # the old group's: given up on (it may never complete)
             fence._comm.abandon(fence)
             d["_pending_fence"] = None
+        if self._ring is not None:  # (its buffers are MPI's now: the commit is dropped)
+            self._ring.abandon()
         d["group"] = group
         decision = group.agreement
         mine = self._value()
