@@ -43,6 +43,8 @@ survivors must match exactly. ``--scenarios JSON``: several such references in o
 without failure), one after the other from the initial model, each written to
 ``OUTDIR/<name>/`` (one job instead of one per reference: most of a job is startup).
 ``--scale-lr``, ``--min-ranks M``: ``State(scale_lr=True)``, ``run(min_ranks=M)``.
+``--pause S``: every rank sleeps ``S`` seconds after each step (successive deaths that
+are apart in time as well as in steps; the results do not change).
 ``--forget-own-state``: after a recovery the algorithm's per-rank state (the error
 feedback of ``sparseloco``, ``muloco``, ``demo``) restarts from zero instead of the
 restored commit's (the negative control of test_elastic.py).
@@ -80,6 +82,8 @@ parser.add_argument("--at", default="12")
 parser.add_argument("--skip-agreement", action="store_true")
 parser.add_argument("--reference", default="")
 parser.add_argument("--width", type=int, default=32)
+parser.add_argument("--pause", type=float, default=0.0,
+                    help="seconds every rank sleeps after each step (not in references)")
 parser.add_argument("--no-ft", action="store_true")
 parser.add_argument("--bucket-mb", type=float, default=0.005)
 parser.add_argument("--replace", action="store_true",
@@ -276,6 +280,8 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     st.ledger.append([step + 1, group.size])
     st.commit()
     tr.times.append((st.step, time.time()))
+    if faults and args.pause:
+        time.sleep(args.pause)
     if faults and args.fault == "idlekill" and me == 0 and st.step in plan.values():
         open(os.path.join(args.outdir, f"committed{st.step}"), "w").close()
 

@@ -327,18 +327,13 @@ def _leave_store(dead: frozenset) -> None:
     """In a store-backed world (:mod:`commlib.mpi.launch`), what its ``atexit`` handler would do
     (``os._exit`` skips it): tell the store this rank left; the rank hosting the store
     waits there until every rank has left. Dead ranks never leave, so the survivors count
-    them as left, each once (the first survivor to claim one). Uses the store keys of
-    :class:`commlib.mpi.launch.space.StoreSpace` (``left``, ``left/out``): a seam for
-    ``commlib.mpi.launch`` to take over."""
+    them as left (:meth:`commlib.mpi.launch.space.StoreSpace.leave_for`)."""
     from ..mpi import launch
     world = launch.current()
     if world is None:
         return
     try:
-        for r in sorted(dead):
-            if world.call("add", world.key(f"ft/left-for/{r}"), 1) == 1 and \
-                    world.call("add", world.key("left"), 1) == world.size:
-                world.call("set", world.key("left/out"), "1")
+        world.space.leave_for(r for r in set(dead) | set(world.dead) if r >= 0)
         world.leave()
     except Exception:  # noqa: BLE001 - the store's host may be gone: leave anyway
         pass

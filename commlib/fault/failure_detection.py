@@ -261,6 +261,8 @@ class StoreDetector:
                 self.dead.add(r)
 
     def __call__(self) -> list[int]:
+        # the world's own dead (a store's host whose standby took over)
+        self.dead.update(r for r in list(self.world.dead) if r != self.rank)
         for r in range(self.size):
             if r == self.rank or r in self.dead:
                 continue

@@ -12,11 +12,17 @@ apart from torch's own keys (``init/``, ``default_pg/...``, ``/worker/attempt_N/
 ``barrier/<n>``            arrivals at the n-th PMI barrier (``add``); ``.../in`` who came
                            (``append``); ``.../out`` set by the last to arrive
 ``abort``                  ``"<rank> <exit code>"`` once a rank called ``MPI_Abort``
-``left``/``left/out``      ranks that finished ``MPI_Finalize`` (the store's host waits
-                           for them before it exits)
+``left/<rank>``             set once the rank is done with the store, or by a survivor for
+                           a dead rank (the store's hosts wait for every rank's before
+                           they exit)
+``standby/<n>``            the n-th standby store (``"<rank> <address> <port>"``, fault-
+                           tolerant mode: :mod:`commlib.mpi.launch.standby`)
 =========================  ===================================================================
 
-Values are strings; nothing read from the store is unpickled or evaluated.
+Values are strings; nothing read from the store is unpickled or evaluated. Every key
+written after ``MPI_Init`` is one rank's own (or a survivor's record of a dead rank), set
+to its latest value, so a standby store that a rank joins late can be given it again
+(:mod:`commlib.mpi.launch.standby`).
 """
 from __future__ import annotations
 
@@ -177,15 +183,38 @@ class StoreSpace:
 
     def leave(self) -> None:
         """Say this rank is done with the store."""
-        if self._call("add", self.key("left"), 1) == self.size:
-            self._call("set", self.key("left/out"), "1")
+        self.leave_for([self.rank])
+
+    def leave_for(self, ranks: Iterable[int]) -> None:
+        """Count ``ranks`` as done with the store (this rank, or dead ranks, which never
+        leave: a survivor counts them; idempotent)."""
+        for r in sorted(set(ranks)):
+            self._call("set", self.key(f"left/{r}"), "1")
 
     def wait_all_left(self, timeout: float) -> bool:
         try:
-            self._wait([self.key("left/out")], timeout)
+            self._wait([self.key(f"left/{r}") for r in range(self.size)], timeout)
             return True
         except RuntimeError:
             return False
+
+    def shared_keys(self) -> list[str]:
+        """Keys (relative to the namespace) that a new standby store copies from the
+        primary: the records of ranks that may not be alive to write them again."""
+        return ["abort"] + [f"left/{r}" for r in range(self.size)]
+
+    def refresh(self) -> None:
+        """The launch monitor's poll: keep a standby store in place (a no-op without)."""
+        refresh = getattr(self.store, "refresh", None)
+        if refresh is not None:
+            with self._lock:
+                refresh()
+
+    def store_lost(self, host: int) -> None:
+        """The store's host ``host`` died and a standby took over: it is dead, and
+        counts as left."""
+        self.dead.add(host)
+        self.store.set(self.key(f"left/{host}"), "1")
 
     def previous_kvsname(self, namespace: str) -> str | None:
         k = f"{namespace}/nonce"

@@ -49,12 +49,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import environment, libmpi
+from . import environment, libmpi, standby
 from .environment import Job
 from .pmi import Server
 from .space import StoreSpace
 
 POLL_S = 0.5
+#: The monitor's poll while a standby store is being put in place (fault-tolerant mode,
+#: :mod:`commlib.mpi.launch.standby`), or the store's host is known dead.
+URGENT_S = 0.05
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -147,11 +150,25 @@ class StoreWorld:
     def on_poll(self, callback: Callable[[StoreWorld], None]) -> None:
         self._polls.append(callback)
 
+    def hosts_a_store(self) -> bool:
+        """Whether a store another rank may use lives in this process (the job's store,
+        or a standby: :mod:`commlib.mpi.launch.standby`); it then stays at exit until
+        every rank has left."""
+        return self.hosting or bool(getattr(self.store, "hosts_a_store", bool)())
+
     # -- monitor -----------------------------------------------------------------------
     def _watch(self) -> None:
         failures = 0
-        while not self._stop.wait(POLL_S):
+        last = time.monotonic()
+        urgent = getattr(self.store, "urgent", None)
+        while not self._stop.wait(POLL_S if urgent is None else URGENT_S):
+            # every POLL_S; every URGENT_S while a standby store is wanted but missing, or
+            # the store's host is known dead (standby: switch and replace it at once)
+            if time.monotonic() - last < POLL_S and not (urgent and urgent()):
+                continue
+            last = time.monotonic()
             try:
+                self.space.refresh()
                 aborted = self.space.aborted()
                 failures = 0
             except Exception:  # noqa: BLE001 - the store is unreachable
@@ -168,6 +185,10 @@ class StoreWorld:
                     _note(self.rank, f"launch poll hook {callback!r} failed: {exc!r}")
 
     def _host(self) -> str:
+        if isinstance(self.store, standby.ReplicatedStore):
+            addr, port = self.store.address
+            return f"rank {self.store.host} (the store at {addr}:{port}; no standby store " \
+                   f"in place to take over)"
         who = "torchrun's agent" if self.job.use_agent_store else "rank 0"
         return f"{who} (the store at {self.job.master_addr}:{self.job.master_port})"
 
@@ -216,7 +237,7 @@ class StoreWorld:
             self.space.leave()
         except Exception:  # noqa: BLE001 - the store's host may be gone already
             return
-        if not self.hosting:
+        if not self.hosts_a_store():
             return
         # The host stays until every rank has left (they may still be working), or a
         # rank aborts, or COMMLIB_TIMEOUT passes (a rank that died stays "not left").
@@ -282,7 +303,15 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     import torch.distributed  # noqa: F401 - timed on its own: most of the cost when cold
     imported = time.perf_counter()
     store, hosting = open_store(job, timeout)
+    replicated = None
+    if not job.use_agent_store and job.size > 1 and standby.wanted(env):
+        # fault-tolerant mode: the store's host is no single point of failure
+        replicated = store = standby.ReplicatedStore(
+            store, 0, job.rank, job.size, job.namespace, (job.master_addr, job.master_port),
+            timeout, dead=lambda: space.dead, on_failover=lambda old: space.store_lost(old))
     space = StoreSpace(store, job.namespace, job.rank, job.size, job.node, timeout)
+    if replicated is not None:
+        replicated.shared_keys = space.shared_keys
     for previous in job.previous_namespaces():
         name = space.previous_kvsname(previous)
         for path in shm_segments(name) if name else []:
@@ -324,12 +353,28 @@ def form(job: Job, environ: Any = None) -> StoreWorld:
     world.local_size = world.node_of.count(node)
     for k, v in job.exported:
         env.setdefault(k, v)
+    if replicated is not None:
+        _first_standby(world, replicated)
     world._monitor.start()
     done = time.perf_counter()
     world.bootstrap_s = done - start
     world.timings = {"import_torch_s": imported - start, "store_s": connected - imported,
                      "mpi_init_s": done - connected}
     return world
+
+
+def _first_standby(world: StoreWorld, replicated: standby.ReplicatedStore) -> None:
+    """After ``MPI_Init``: the first standby store's host starts and announces it; the
+    others connect to it (waiting a moment for the announcement; else the monitor
+    connects later)."""
+    world.space.refresh()
+    if replicated.standby is None:
+        try:
+            world.space._wait([world.key(f"standby/{replicated.slot}")],
+                              min(10.0, world.timeout))
+        except RuntimeError:
+            return
+        world.space.refresh()
 
 
 def _note(rank: int, text: str) -> None:
