@@ -125,8 +125,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Any, str, str]] = {
 # Read by `python -m commlib` (commlib.run.config), not options.
 RUNNER_VARIABLES = ("COMMLIB_ALGORITHM", "COMMLIB_ALGORITHM_CONFIG", "COMMLIB_BACKEND",
                     "COMMLIB_SYNC_POINTS", "COMMLIB_RUN_VERBOSE")
-# Read by the launch layer (commlib.mpi.launch.environment), not options.
-LAUNCH_VARIABLES = ("COMMLIB_LAUNCH", "COMMLIB_LAUNCH_PID")
+# Read by the launch layer (commlib.mpi.launch.environment, .standby), not options.
+LAUNCH_VARIABLES = ("COMMLIB_LAUNCH", "COMMLIB_LAUNCH_PID", "COMMLIB_STORE_STANDBY")
 
 
 class Options:
