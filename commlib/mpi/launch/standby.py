@@ -110,6 +110,8 @@ class ReplicatedStore:
         self.shared_keys: Callable[[], list[str]] = lambda: []
         self.servers: list[Any] = []   # stores this rank hosts (alive until it exits)
         self.failovers: list[tuple[float, int, int]] = []  # (time, old host, new host)
+        self._failed_slot = -1     # the slot this rank could not host a standby for
+        self._primary_error: BaseException | None = None
 
     # -- reads: the primary ------------------------------------------------------------
     def get(self, key: str) -> Any:
@@ -156,7 +158,12 @@ class ReplicatedStore:
                 return getattr(self.primary, method)(*args)
             except Exception as exc:
                 if not lost(exc) or not self.fail_over():
+                    self._primary_error = exc
                     raise
+
+    def _primary_lost_in(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the primary's loss (not the standby's own trouble)."""
+        return exc is self._primary_error
 
     def _mirror(self, method: str, *args: Any) -> None:
         if self.standby is None:
@@ -205,9 +212,17 @@ class ReplicatedStore:
         if not self.check([key]):
             dead = set(self.dead()) | {self.host}
             elected = min((r for r in range(self.size) if r not in dead), default=None)
-            if elected != self.rank:
+            if elected != self.rank or self._failed_slot == self.slot:
                 return
-            self._host_standby(key)
+            try:
+                self._host_standby(key)
+            except Exception as exc:  # noqa: BLE001 - never end the rank over its standby
+                if self._primary_lost_in(exc):  # the store itself is gone: the monitor's
+                    raise
+                self._failed_slot = self.slot
+                _note(self.rank, f"could not start a standby store ({type(exc).__name__}: "
+                                 f"{exc}); the store's host is a single point of failure "
+                                 f"again")
             return
         rank, addr, port = _text(self.get(key)).split()
         if int(rank) == self.rank:  # announced by this rank (refresh after a failure)
@@ -242,8 +257,14 @@ class ReplicatedStore:
         return self._primary("compare_set", key, "", value)
 
     def _attach(self, client: Any, rank: int, address: tuple[str, int]) -> None:
-        for method, args in list(self.log.values()):
-            getattr(client, method)(*args)
+        try:
+            for method, args in list(self.log.values()):
+                getattr(client, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - its host died meanwhile: pass it over
+            if not lost(exc):
+                raise
+            self.slot += 1
+            return
         self.standby, self.standby_host, self.standby_address = client, rank, address
 
     def urgent(self) -> bool:
@@ -253,7 +274,7 @@ class ReplicatedStore:
         dead = set(self.dead())
         if self.host in dead:
             return True
-        return self.standby is None and \
+        return self.standby is None and self._failed_slot != self.slot and \
             any(r not in dead and r != self.host for r in range(self.size))
 
     def hosts_a_store(self) -> bool:

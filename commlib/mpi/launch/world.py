@@ -17,7 +17,8 @@
 5. watch the store for an ``MPI_Abort`` of another rank (a monitor thread, every
    :data:`POLL_S` seconds): the process then leaves with that rank's exit code, as
    under ``mpiexec`` (a rank that loses the store, because its host left so, leaves
-   with exit code 1).
+   with exit code 1, unless a standby store takes over: fault-tolerant mode,
+   :mod:`commlib.mpi.launch.standby`, started here once MPI is initialized).
 
 Leaving. MPI must be finalized late, as under ``mpiexec`` (mpi4py does it after the
 interpreter's teardown, where objects such as a ``DistributedDataParallel`` free their
@@ -30,9 +31,10 @@ communicators), but by then Python's threads are gone, so nothing may need PMI a
   which stops commlib's threads) that also stops the monitor and the server; the socket
   stays open until the process ends. An explicit ``MPI.Finalize()`` answers in advance
   too (so an MPI call after it, which makes MPICH ``exit`` holding the GIL, cannot hang);
-* the rank that hosts the store stays until every rank has left it (or a rank aborts, or
-  ``COMMLIB_TIMEOUT`` passes); a rank that loses the store while it still runs knows its
-  host ended abnormally and leaves with exit code 1, as an MPI launcher would end it.
+* a rank that hosts a store (the job's, or a standby) stays until every rank has left it
+  (or a rank aborts, or ``COMMLIB_TIMEOUT`` passes); a rank that loses the store while it
+  still runs, with no standby to switch to, knows its host ended abnormally and leaves
+  with exit code 1, as an MPI launcher would end it.
 
 The interpreter then exits as usual, with its own exit status.
 """
