@@ -328,7 +328,8 @@ class State:
         if self._empty:  # a joining spare before its state arrived: nothing to restore
             return (-1, False)
         last = self._commits[-1]
-        if self._ring is not None and not self._ring.received() and len(self._commits) > 1:
+        if (self._ring is not None and len(self._commits) > 1
+                and not self._ring.received(last.optimizer)):
             # ZeRO: the replica of the last commit did not arrive (see zero.Ring)
             return (self._commits[-2].step, self._commits[-2].full)
         clean = self._clean and self._optimizer_steps == self._steps_at_commit

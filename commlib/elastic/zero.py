@@ -98,10 +98,11 @@ class Ring:
             self.pending = None
             snap["left"] = transfer._join(skeleton, left.tensors)
 
-    def received(self) -> bool:
-        """Whether the replica of the last commit arrived (never blocks nor raises: a
-        failed peer's receive counts as not arrived)."""
-        if self.pending is None:
+    def received(self, snap: dict) -> bool:
+        """Whether the replica of commit ``snap`` (of :func:`commit`) arrived (never
+        blocks nor raises: a failed peer's receive counts as not arrived; a commit whose
+        exchange is not the one in flight has it)."""
+        if self.pending is None or self.pending[0] is not snap:
             return True
         snap, _, receive, left, skeleton = self.pending
         try:
