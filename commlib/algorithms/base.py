@@ -106,6 +106,13 @@ class Algorithm:
     #: the saved state differs between ranks (residuals, replicas, owned layers): it must
     #: be loaded by the rank, and at the world size, that saved it
     per_rank_state: ClassVar[bool] = False
+    #: ``on_bucket_ready`` takes buckets whose gradients autograd left where it made them
+    #: (``bucket.sources``, ``bucket.deferred`` of them; CPU gradients of a synced backward
+    #: only): it reads them through ``bucket.pieces()`` or calls ``bucket.fill()`` first,
+    #: and leaves the result in ``bucket.flat`` (each ``p.grad`` is then rebound to its
+    #: view). Saves one copy of every gradient per step where the exchange can gather them
+    #: itself (:func:`commlib.primitives.allreduce_from`).
+    fuses_bucket_copy: bool = False
     _ctx: Context | None = None
 
     def attach(self, ctx: Context) -> None:
@@ -129,8 +136,10 @@ class Algorithm:
         """Main thread, before each forward."""
 
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
-        """Communication thread: every gradient of ``bucket`` is in ``bucket.flat``.
-        Exchange it (in place) and return ``None`` or the :class:`Work` handles to finish."""
+        """Communication thread: every gradient of ``bucket`` is in ``bucket.flat`` (or, with
+        :attr:`fuses_bucket_copy`, in ``bucket.pieces()``). Exchange it (in place, the
+        result in ``bucket.flat``) and return ``None`` or the :class:`Work` handles to
+        finish."""
         return None
 
     def after_backward(self, ctx: Context) -> None:

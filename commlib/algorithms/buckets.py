@@ -16,7 +16,11 @@ class Bucket:
     """Tensors of one dtype and device packed into ``flat`` (1-D), in ``names`` order.
 
     ``views[i]`` is the slice of ``flat`` shaped like tensor ``i``; ``index`` is the launch
-    order (every rank launches buckets in increasing index).
+    order (every rank launches buckets in increasing index). ``sources[i]``: during a
+    backward pass whose copies an algorithm fuses into its exchange
+    (:attr:`commlib.algorithms.Algorithm.fuses_bucket_copy`), the gradient autograd made
+    for tensor ``i``, not yet copied into ``views[i]`` (``None``: ``views[i]`` holds it);
+    ``deferred`` counts them.
     """
 
     def __init__(self, index: int, names: Sequence[str], tensors: Sequence[torch.Tensor]):
@@ -31,6 +35,26 @@ class Bucket:
         self.views = [self.flat[o:o + n].view_as(t)
                       for o, n, t in zip(self.offsets, self.numels, tensors)]
         self.pending = len(tensors)
+        self.sources: list[torch.Tensor | None] = [None] * len(tensors)
+        self.deferred = 0
+
+    def pieces(self) -> list[torch.Tensor]:
+        """Tensor ``i``'s gradient where it lies: ``sources[i]`` if deferred, else
+        ``views[i]`` (their concatenation is what ``flat`` stands for)."""
+        return [v if s is None else s for s, v in zip(self.sources, self.views)]
+
+    def fill(self) -> None:
+        """Copy the deferred gradients into their views (``flat`` then holds them all)."""
+        if self.deferred:
+            for i, source in enumerate(self.sources):
+                if source is not None:
+                    self.views[i].copy_(source)
+            self.clear_sources()
+
+    def clear_sources(self) -> None:
+        if self.deferred:
+            self.sources = [None] * len(self.tensors)
+            self.deferred = 0
 
     @property
     def nbytes(self) -> int:

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..base.reduce_ops import ReduceOp
-from ..primitives import allreduce
+from ..primitives import allreduce, allreduce_from
 from . import precision
 from .base import Algorithm, Context
 from .buckets import Bucket
@@ -35,11 +35,22 @@ class GradientAllReduce(Algorithm):
         self.comm_dtype, self.predivide_factor = precision.check(
             "gradient_allreduce", comm_dtype, predivide_factor, self.average)
 
+    @property  # type: ignore[override]
+    def fuses_bucket_copy(self) -> bool:  # noqa: D401
+        """The gradients' copy into the bucket goes into the exchange itself (flat, and
+        unless a subclass replaces :meth:`on_bucket_ready`)."""
+        return not self.hierarchical and \
+            type(self).on_bucket_ready is GradientAllReduce.on_bucket_ready
+
     def on_bucket_ready(self, ctx: Context, bucket: Bucket) -> Any:
         if precision.is_plain(bucket.flat, self.comm_dtype, self.predivide_factor):
             op = ReduceOp.AVG if self.average else ReduceOp.SUM
+            if not self.hierarchical:  # the same call on every rank, deferred or not
+                return allreduce_from(bucket.pieces(), bucket.flat, op=op, group=ctx.group,
+                                      async_op=True, hierarchical=False)
             return allreduce(bucket.flat, op=op, group=ctx.group, async_op=True,
                              hierarchical=self.hierarchical)
+        bucket.fill()
         precision.average(bucket.flat, ctx.world_size, self.comm_dtype, self.predivide_factor,
                           lambda t: allreduce(t, ReduceOp.SUM, ctx.group,
                                               hierarchical=self.hierarchical),

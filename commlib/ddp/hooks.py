@@ -89,8 +89,10 @@ class GradientHooks:
         self._next = 0
         self._futures: list[Future] = []
         self._events: dict[int, list[Any]] = {}
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its view)
         for bucket in self.ctx.buckets if self.active else []:
             bucket.pending = len(bucket)
+            bucket.clear_sources()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad = p.grad
@@ -101,7 +103,8 @@ class GradientHooks:
                 f"gradients are exchanged. Use dense gradients (e.g. nn.Embedding(..., "
                 f"sparse=False)) or keep the parameter out of the wrapped module.")
         slot = self._slots.get(id(p))
-        if slot is not None:
+        if slot is not None and not (self._sync and self.algorithm.fuses_bucket_copy
+                                     and self._deferrable(p, slot)):
             _bind(p, slot[0].views[slot[1]])
         self._used.add(id(p))
         if not self._sync:
@@ -116,6 +119,22 @@ class GradientHooks:
             self._late.append(self._names.get(id(p), "?"))
             return
         self._make_ready(p, slot)
+
+    def _deferrable(self, p: torch.Tensor, slot: tuple[Bucket, int]) -> bool:
+        """Leave autograd's gradient where it is for the algorithm to gather in its
+        exchange (``Algorithm.fuses_bucket_copy``): a fresh CPU gradient shaped like its
+        view; ``p.grad`` becomes the view once the exchange is done."""
+        bucket, i = slot
+        grad, view = p.grad, bucket.views[i]
+        if (grad is None or not grad.is_cpu or grad.dtype != view.dtype
+                or grad.shape != view.shape or not grad.is_contiguous()
+                or grad.data_ptr() == view.data_ptr() or id(p) in self._marked_unused
+                or bucket.sources[i] is not None):
+            return False
+        bucket.sources[i] = grad
+        bucket.deferred += 1
+        self._deferred.append((p, view))
+        return True
 
     def _make_ready(self, p: torch.Tensor, slot: tuple[Bucket, int]) -> None:
         bucket, i = slot
@@ -222,6 +241,9 @@ class GradientHooks:
             self._mark_unused(p)
         for f in self._futures:
             f.result()
+        for p, view in self._deferred:  # exchanged: the gradients are the bucket's now
+            p.grad = view
+        self._deferred = []
         if learning:
             self._static_unused = {id(p) for p in missing}
         if self.mode == FIND_UNUSED or learning:

@@ -2,6 +2,7 @@
 from . import ft as _ft  # noqa: F401  (fault-tolerant mode starts at init)
 from .allgather import allgather, allgather_v
 from .allreduce import allreduce
+from .allreduce_from import allreduce_from
 from .alltoall import alltoall, alltoall_v
 from .barrier import barrier
 from .broadcast import broadcast
@@ -23,7 +24,8 @@ from .work import Work
 
 __all__ = [
     "CompressionState", "Group", "PEER_MODES", "Work", "compressed_allreduce",
-    "compressed_ring_exchange", "allgather", "allgather_v", "allreduce", "alltoall",
+    "compressed_ring_exchange", "allgather", "allgather_v", "allreduce", "allreduce_from",
+    "alltoall",
     "alltoall_v", "barrier", "block_offsets", "block_sizes", "broadcast", "gather",
     "group_from_ranks", "new_group", "peer_average", "recv", "recv_any", "reduce",
     "reduce_scatter", "ring_neighbors", "scatter", "send", "sendrecv", "shift_one_peer",

@@ -94,7 +94,8 @@ from .shm_reduce import Combine, combiner
 from .shm_window import RETIRED, NodeWindow
 
 __all__ = ["AUTO_RANGES", "COUNTS", "HIERARCHICAL_MAX_BYTES", "MPICH_AUTO_RANGES", "RETIRED",
-           "SEGMENT_BYTES", "WHOLE_STEP_BYTES", "NodeWindow", "allgather", "allreduce", "auto", "broadcast",
+           "SEGMENT_BYTES", "WHOLE_STEP_BYTES", "NodeWindow", "allgather", "allreduce",
+           "allreduce_from", "auto", "broadcast",
            "combiner", "hierarchical_allreduce", "reduce_all", "reduce_scatter", "use",
            "use_hierarchical", "window"]
 
@@ -231,21 +232,62 @@ def allreduce(comm: Communicator, buf: Buf, op: ReduceOp, result: Any) -> Any:
     return result
 
 
-def reduce_all(nw: NodeWindow, x: np.ndarray, combine: Combine) -> None:
+def allreduce_from(comm: Communicator, pieces: list[np.ndarray], buf: Buf, op: ReduceOp,
+                   result: Any) -> Any:
+    """Blocking allreduce of the concatenation of ``pieces`` (1-D host arrays of ``buf``'s
+    dtype) into ``buf`` (host memory, 1-D) through the node's window, as :func:`allreduce`
+    but with each step's segment filled straight from the pieces it spans: one copy per
+    byte instead of a copy into ``buf`` and another into the segment. A piece that is a
+    slice of ``buf`` must be the slice at its own offset. Returns ``result``."""
+    nw = _node(comm, "allreduce")
+    accounting.record("allreduce", buf.nbytes, comm.size)
+    with _Timed(comm, "allreduce", buf):
+        reduce_all(nw, buf.mem.reshape(-1), combiner(op, buf.dt), _gather(pieces))
+    finish_reduce(buf, op, comm.size)
+    COUNTS["allreduce"] += 1
+    return result
+
+
+def _gather(pieces: list[np.ndarray]) -> Any:
+    """``fill(segment, s, m)``: elements ``[s, s + m)`` of the pieces' concatenation into
+    ``segment[:m]``."""
+    bounds = []
+    offset = 0
+    for piece in pieces:
+        bounds.append((offset, offset + piece.size, piece))
+        offset += piece.size
+
+    def fill(segment: np.ndarray, s: int, m: int) -> None:
+        e = s + m
+        for lo, hi, piece in bounds:
+            if hi <= s or lo >= e:
+                continue
+            a, b = max(lo, s), min(hi, e)
+            np.copyto(segment[a - s:b - s], piece[a - lo:b - lo])
+
+    return fill
+
+
+def reduce_all(nw: NodeWindow, x: np.ndarray, combine: Combine,
+               fill: Any = None) -> None:
     """Allreduce of the 1-D contiguous host array ``x`` over ``nw``'s ranks, in place (no
     AVG division), in steps of at most ``nw.half_bytes``: at 2 ranks, or for steps of at
     most :data:`WHOLE_STEP_BYTES`, every rank reduces the whole step from every segment
     into ``x`` itself (one barrier; at 2 ranks this moves fewer bytes than splitting:
     5 instead of 5.5 times the step), else each its slice into rank 0's segment and every
     rank copies the result out (two barriers). Either way every element is combined in
-    rank order, so every rank ends with the same bytes."""
+    rank order, so every rank ends with the same bytes. ``fill(segment, s, m)``, when
+    given, puts this rank's elements ``[s, s + m)`` into its segment instead of ``x``."""
     n, me = nw.size, nw.rank
     per = nw.half_bytes // x.itemsize
     total = x.size
     for s in range(0, total, per):
         m = min(per, total - s)
         segs = nw.half(x.dtype, m)
-        np.copyto(segs[me], x[s:s + m])
+        if fill is None:
+            np.copyto(segs[me], x[s:s + m])
+        else:
+            fill(segs[me], s, m)
         nw.sync()
         if n == 2 or m * x.itemsize <= WHOLE_STEP_BYTES:
             combine(x[s:s + m], segs)
