@@ -19,7 +19,7 @@ LAYERS = [
     {"kernels"},
     {"base"},        # errors, options, dtypes, reduce_ops, buffers, accelerator, accounting
     {"mpi"},         # mpi_impl/, launch/, mpi_env, ucx_env, shm, shutdown, watchdog
-    {"fault"},       # ft_backend, failure_detection, agreement, fault_tolerance
+    {"fault"},       # ft_backend, failure_detection, agreement, waits, helper_thread, fault_tolerance
     {"core"},        # communicator, runtime, exits
     {"primitives"},
     {"services"},    # timeline, topology
