@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import commlib  # noqa: E402
 from commlib import elastic  # noqa: E402
+from commlib.elastic import commits as elastic_commits  # noqa: E402
 from commlib.elastic import state as elastic_state  # noqa: E402
 from commlib.elastic import zero as zero_elastic  # noqa: E402
 from commlib.elastic.commit_buffers import Flat  # noqa: E402
@@ -109,7 +110,7 @@ def main() -> None:
     state = elastic.State(model, opt, commit_every=args.commit_every)
     ddp = state.wrap(algorithm="gradient_allreduce")
     timers = Timers()
-    timers.wrap(elastic_state, "copy_tree", "model_and_optimizer_copy")
+    timers.wrap(elastic_commits, "copy_tree", "model_and_optimizer_copy")
     if zero_opt:
         timers.wrap(elastic_state.zero_elastic, "commit", "shard_commit")
         timers.wrap(Flat, "fill", "shard_copy")

@@ -115,6 +115,7 @@ os.environ["COMMLIB_FAULT_TOLERANT"] = "1" if FT else "0"
 
 import commlib  # noqa: E402
 from commlib import elastic  # noqa: E402
+from commlib.elastic import recovery as recovery_module  # noqa: E402
 from commlib.elastic import state as state_module  # noqa: E402
 from elastic_common import write_shm  # noqa: E402
 
@@ -136,7 +137,7 @@ at = [int(k) for k in args.at.split(",")]
 plan = dict(zip(victims, at))
 if _ft.joined:  # a replacement spawned by run(replace=True): it is no victim
     plan = {}
-state_module._SKIP_AGREEMENT = args.skip_agreement
+recovery_module._SKIP_AGREEMENT = args.skip_agreement
 if args.skip_spare_state:
     from commlib.elastic import spares as _spares_module
     _spares_module._SKIP_STATE = True
