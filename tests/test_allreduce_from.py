@@ -20,6 +20,7 @@ import commlib
 from commlib import ReduceOp
 from commlib.base.options import options
 from commlib.primitives import allreduce_from, node_shm
+from helpers import to_kind, to_numpy
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
@@ -51,18 +52,6 @@ def setting():
     options.shm = saved
 
 
-def make(vals: np.ndarray, kind: str, dtype: str):
-    if kind == "numpy":
-        return vals.astype(dtype)
-    return torch.tensor(vals, dtype=getattr(torch, dtype))
-
-
-def as_numpy(obj) -> np.ndarray:
-    if isinstance(obj, np.ndarray):
-        return obj.copy()
-    return (obj.float() if obj.dtype == torch.bfloat16 else obj).numpy().copy()
-
-
 def inputs(rank: int, count: int, dtype: str) -> np.ndarray:
     rng = np.random.default_rng([rank, count, len(dtype)])
     if dtype.startswith("int"):
@@ -85,10 +74,10 @@ def pieces_of(out, vals: np.ndarray, kind: str, dtype: str, order=None):
     pieces = []
     for k, (lo, hi) in enumerate(spans):
         if k % 2:
-            out[lo:hi] = make(vals[lo:hi], kind, dtype)
+            out[lo:hi] = to_kind(vals[lo:hi], dtype, kind)
             pieces.append(out[lo:hi])
         else:
-            pieces.append(make(vals[lo:hi], kind, dtype))
+            pieces.append(to_kind(vals[lo:hi], dtype, kind))
     if order is not None:
         pieces = [pieces[i] for i in order]
     return pieces
@@ -113,20 +102,20 @@ def test_equals_allreduce_of_the_concatenation(group, kind, dtype, size, shm):
                                           else [])
     options.shm = shm
     for op in ops:
-        expected = make(vals, kind, dtype)
+        expected = to_kind(vals, dtype, kind)
         commlib.allreduce(expected, op=op, group=group)
-        out = make(np.zeros(count), kind, dtype)
+        out = to_kind(np.zeros(count), dtype, kind)
         pieces = pieces_of(out, vals, kind, dtype)
-        separate = [(p, as_numpy(p)) for k, p in enumerate(pieces) if k % 2 == 0]
+        separate = [(p, to_numpy(p)) for k, p in enumerate(pieces) if k % 2 == 0]
         before = node_shm.COUNTS["allreduce"]
         result = allreduce_from(pieces, out, op=op, group=group)
         assert result is out
         ran_tier = node_shm.COUNTS["allreduce"] - before
         assert ran_tier == (1 if shm == "1" and n > 1 else 0)
-        np.testing.assert_array_equal(as_numpy(out), as_numpy(expected))
-        everywhere_equal(as_numpy(out))
+        np.testing.assert_array_equal(to_numpy(out), to_numpy(expected))
+        everywhere_equal(to_numpy(out))
         for p, saved in separate:
-            np.testing.assert_array_equal(as_numpy(p), saved)
+            np.testing.assert_array_equal(to_numpy(p), saved)
 
 
 @pytest.mark.mpi

@@ -55,6 +55,7 @@ from . import environment, libmpi, standby
 from .environment import Job
 from .pmi import Server
 from .space import StoreSpace
+from .standby import _note
 
 POLL_S = 0.5
 #: The monitor's poll while a standby store is being put in place (fault-tolerant mode,
@@ -280,7 +281,6 @@ def refuse(MPI: Any, job: Job) -> None:
     impl = current(MPI)
     if impl.store_world:
         return
-    import sys
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
     plugins = " or ".join(f"`srun --mpi={p}`" for p in impl.slurm_mpi_plugins)
     raise RuntimeError(
@@ -379,9 +379,3 @@ def _first_standby(world: StoreWorld, replicated: standby.ReplicatedStore) -> No
         world.space.refresh()
 
 
-def _note(rank: int, text: str) -> None:
-    try:
-        sys.stderr.write(f"[commlib] rank {rank}: {text}\n")
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001
-        pass
