@@ -112,6 +112,10 @@ class ReplicatedStore:
         self.failovers: list[tuple[float, int, int]] = []  # (time, old host, new host)
         self._failed_slot = -1     # the slot this rank could not host a standby for
         self._primary_error: BaseException | None = None
+        #: this rank has told the store it is done (``left/<rank>``); a primary lost
+        #: after that is, most often, its host leaving because every rank has left
+        #: (another store host of this rank is still waiting for the others)
+        self.left = False
 
     # -- reads: the primary ------------------------------------------------------------
     def get(self, key: str) -> Any:
@@ -191,8 +195,13 @@ class ReplicatedStore:
         self.standby = self.standby_host = self.standby_address = None
         self.slot += 1
         self.failovers.append((time.monotonic(), old, new))
-        _note(self.rank, f"lost the store of rank {old} (its host died): rank {new}'s "
-                         f"standby store is the store now")
+        if self.left:
+            _note(self.rank, f"the store of rank {old} closed after this rank left (its "
+                             f"host left or died): rank {new}'s standby store serves the "
+                             f"ranks still leaving")
+        else:
+            _note(self.rank, f"lost the store of rank {old} (its host died): rank {new}'s "
+                             f"standby store is the store now")
         if self.on_failover is not None:
             self.on_failover(old)
         return True

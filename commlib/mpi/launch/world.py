@@ -240,6 +240,8 @@ class StoreWorld:
             self.space.leave()
         except Exception:  # noqa: BLE001 - the store's host may be gone already
             return
+        if isinstance(self.store, standby.ReplicatedStore):
+            self.store.left = True
         if not self.hosts_a_store():
             return
         # The host stays until every rank has left (they may still be working), or a
