@@ -1,6 +1,6 @@
 """Where a commlib DDP step goes: forward, backward, each bucket's exchange, the copies of
 gradients into buckets, the optimizer step, next to the same step without communication
-and torch DDP over gloo, in one mpiexec job (issue 33 section 3).
+and torch DDP over gloo and over the commlib backend, in one mpiexec job (issue 33 section 3).
 
     mpiexec -n 2 python benchmarks/profile_ddp.py [--layers 1024,4096,4096,1024,10]
         [--batch 32] [--bucket-cap-mb 25] [--steps 15] [--reps 3] [--json PATH]
@@ -8,7 +8,8 @@ and torch DDP over gloo, in one mpiexec job (issue 33 section 3).
 The model is the MLP of the issue (25 M parameters, 100 MB of float32 gradients) unless
 ``--layers`` says otherwise; SGD with momentum; one torch thread per rank (``--threads``).
 Each repetition runs ``--steps`` timed steps of each contender after 3 warm-up steps, the
-contenders taking turns (compute only, commlib, torch DDP), each step after a barrier.
+contenders taking turns (compute only, commlib, torch DDP over gloo, torch DDP over the
+commlib backend: ``new_group(backend="commlib")``), each step after a barrier.
 For commlib, the step is split by wall-clock stamps on the main thread (forward, backward
 including the wait for the last bucket, optimizer step) and on the communication thread
 (each bucket's exchange from its launch to its completion, which includes waiting for the
@@ -82,6 +83,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-torch", action="store_true", help="leave torch DDP out")
+    p.add_argument("--no-backend", action="store_true",
+                   help="leave torch DDP over the commlib backend out")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -132,6 +135,16 @@ def main() -> None:
             bench_ddp.make_model(model_args), bucket_cap_mb=args.bucket_cap_mb)
         steps["torch DDP (gloo)"] = bench_ddp.training_step(theirs, sgd(theirs.parameters()),
                                                             x, y)
+        if not args.no_backend:
+            import torch.distributed as dist
+
+            import commlib.torch_backend  # noqa: F401 - registers backend "commlib"
+            group = dist.new_group(backend="commlib")
+            backend = torch.nn.parallel.DistributedDataParallel(
+                bench_ddp.make_model(model_args), bucket_cap_mb=args.bucket_cap_mb,
+                process_group=group)
+            steps["torch DDP (commlib backend)"] = bench_ddp.training_step(
+                backend, sgd(backend.parameters()), x, y)
     per_rep: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.reps):
         for name, step in steps.items():

@@ -275,7 +275,8 @@ def test_shapes_and_non_contiguous(group):
 def test_dispatch_by_size_async_and_world_window(monkeypatch):
     """``auto``: shared memory inside the measured ranges (on the world's own window, 1 MiB
     halves: 1.5 MiB takes two steps), MPI outside them (below the first, between two, for
-    allgather and broadcast); ``async_op=True`` stays on MPI; ``0`` never. The dispatch is
+    allgather and broadcast); ``async_op=True`` below ASYNC_MIN_BYTES stays on MPI
+    (test_node_shm_async has the rest); ``0`` never. The dispatch is
     checked with MPICH's ranges on every runtime (each runtime's own are checked below)."""
     r, n = commlib.get_rank(), commlib.get_world_size()
     for op, ranges in node_shm.MPICH_AUTO_RANGES.items():

@@ -32,6 +32,11 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
     each node (same result as the flat algorithm up to floating-point summation order);
     ``None`` takes the group's default. Returns ``tensor`` (or a :class:`Work` whose
     ``wait()`` returns it, with ``async_op=True``).
+
+    Inside one node the node's shared memory may carry it
+    (:mod:`commlib.primitives.node_shm`: blocking calls at the sizes where it was measured
+    faster, nonblocking flat ones of host memory from 4 MiB on where it is too, run by the
+    window's own thread in issue order); ``COMMLIB_SHM=0`` keeps everything on MPI.
     """
     if group is None:
         comm = runtime._world
@@ -62,6 +67,9 @@ def allreduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: Any = None,
         work = Work(comm, "allreduce", buf, _hierarchical(comm, buf, op, mop, tensor))
         return work if async_op else work.wait()
     if async_op:
+        if options.shm != "0" and node_shm.use_async(comm, buf, "allreduce"):
+            # one node: through shared memory, run by the window's thread
+            return node_shm.start_allreduce(comm, buf, op, tensor)
         accounting.record("allreduce", buf.nbytes, comm.size)
         return Work(comm, "allreduce", buf, _flat_async(comm, buf, op, mop, tensor))
     if node_shm.use(comm, buf, "allreduce"):  # one node: shared memory

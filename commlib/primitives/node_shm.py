@@ -47,7 +47,10 @@ is the SUM divided by the group size afterwards, as on the MPI path.
 
 When it is used (:func:`use` and :func:`use_hierarchical`, called by :func:`commlib.allreduce`,
 :func:`commlib.reduce_scatter`, :func:`commlib.allgather` and :func:`commlib.broadcast`):
-a blocking call (``async_op=True`` stays on MPI), on host memory (numpy arrays, CPU torch
+a blocking call, or a nonblocking ``allreduce`` (``async_op=True``) of at least
+:data:`ASYNC_MIN_BYTES` under ``auto`` (:func:`use_async`: thread-multiple MPI, not in
+fault-tolerant mode; run by the window's thread in issue order, :mod:`.shm_turns`; the
+other nonblocking collectives stay on MPI), on host memory (numpy arrays, CPU torch
 tensors, and the host staging of GPU buffers), when every rank of the communicator is on
 one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer's size is in one of
 the ranges of :data:`AUTO_RANGES` for that operation, where it beat MPI in
@@ -86,6 +89,7 @@ from ..base.buffers import Buf
 from ..base.errors import CommError, where
 from ..base.options import options
 from ..base.reduce_ops import ReduceOp
+from ..core import runtime
 from ..core.communicator import Communicator
 from ..mpi import mpi_impl
 from . import shm_window
@@ -136,10 +140,14 @@ WHOLE_STEP_BYTES = 64 << 10
 #: steps of one chunk overlap the leaders' allreduce of another, commlib.primitives.
 #: allreduce), which this tier does not; not measured across real nodes yet.
 HIERARCHICAL_MAX_BYTES = 2 << 20
+#: With ``COMMLIB_SHM=auto``, nonblocking collectives take the tier from this size on
+#: (:func:`use_async`); below it the hand-over to the window's thread costs more than the
+#: tier gains.
+ASYNC_MIN_BYTES = 4 << 20
 #: Calls completed through shared memory, per operation, in this process (tests and
 #: benchmarks read it to know which path ran).
 COUNTS = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0, "broadcast": 0,
-          "hierarchical": 0}
+          "hierarchical": 0, "async": 0}
 
 
 def window(comm: Communicator) -> NodeWindow | None:
@@ -190,22 +198,39 @@ def use(comm: Communicator, buf: Buf, op: str) -> bool:
     return nw is not None and nw.whole
 
 
+def use_async(comm: Communicator, buf: Buf, op: str) -> bool:
+    """Whether the nonblocking (``async_op=True``) collective ``op`` on ``buf`` goes
+    through shared memory, run by the window's thread (:mod:`.shm_turns`): as
+    :func:`use`, from :data:`ASYNC_MIN_BYTES` on (with ``COMMLIB_SHM=auto``; below it the
+    hand-over to a thread costs more than the tier gains), when the MPI library is
+    thread-multiple, and not in fault-tolerant mode (whose failure detection covers the
+    calling thread's waits). The same answer on every rank."""
+    if options.shm == "auto" and buf.count * buf.dt.itemsize < ASYNC_MIN_BYTES:
+        return False
+    if options.fault_tolerant or not runtime.thread_multiple():
+        return False
+    return use(comm, buf, op)
+
+
 # -- the collectives -----------------------------------------------------------------------
 
 class _Timed:
-    """The watchdog's deadline and the op's time and timeline event around one call."""
-    __slots__ = ("comm", "op", "what", "t0")
+    """Around one call: its turn among the window's collectives (:mod:`.shm_turns`), the
+    watchdog's deadline, the op's time and timeline event."""
+    __slots__ = ("comm", "op", "what", "turns", "ticket", "t0")
 
-    def __init__(self, comm: Communicator, op: str, what: Any) -> None:
-        self.comm, self.op, self.what = comm, op, what
+    def __init__(self, comm: Communicator, op: str, what: Any, nw: NodeWindow) -> None:
+        self.comm, self.op, self.what, self.turns = comm, op, what, nw.turns
 
     def __enter__(self) -> None:
+        self.ticket = self.turns.enter()
         self.comm.arm(self.op, self.what)
         self.t0 = perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
         t1 = perf_counter()
         self.comm.disarm()
+        self.turns.leave(self.ticket)
         accounting.timed(self.op, self.t0, t1, self.comm, self.what, self.comm.seq)
 
 
@@ -225,11 +250,29 @@ def allreduce(comm: Communicator, buf: Buf, op: ReduceOp, result: Any) -> Any:
     AVG divided by the group size after."""
     nw = _node(comm, "allreduce")
     accounting.record("allreduce", buf.nbytes, comm.size)
-    with _Timed(comm, "allreduce", buf):
+    with _Timed(comm, "allreduce", buf, nw):
         reduce_all(nw, buf.mem.reshape(-1), combiner(op, buf.dt))
     finish_reduce(buf, op, comm.size)
     COUNTS["allreduce"] += 1
     return result
+
+
+def start_allreduce(comm: Communicator, buf: Buf, op: ReduceOp, result: Any) -> Any:
+    """Nonblocking :func:`allreduce` (:func:`use_async` said so): issued now, run by the
+    window's thread in issue order; a handle whose ``wait()`` returns ``result``. The
+    caller must not touch ``buf`` until then."""
+    nw = _node(comm, "allreduce")
+    accounting.record("allreduce", buf.nbytes, comm.size)
+    combine = combiner(op, buf.dt)
+
+    def run() -> Any:
+        with _Timed(comm, "allreduce", buf, nw):
+            reduce_all(nw, buf.mem.reshape(-1), combine)
+        finish_reduce(buf, op, comm.size)
+        COUNTS["allreduce"] += 1
+        COUNTS["async"] += 1
+        return result
+    return nw.turns.submit("allreduce", run)
 
 
 def allreduce_from(comm: Communicator, pieces: list[np.ndarray], buf: Buf, op: ReduceOp,
@@ -241,7 +284,7 @@ def allreduce_from(comm: Communicator, pieces: list[np.ndarray], buf: Buf, op: R
     slice of ``buf`` must be the slice at its own offset. Returns ``result``."""
     nw = _node(comm, "allreduce")
     accounting.record("allreduce", buf.nbytes, comm.size)
-    with _Timed(comm, "allreduce", buf):
+    with _Timed(comm, "allreduce", buf, nw):
         reduce_all(nw, buf.mem.reshape(-1), combiner(op, buf.dt), _gather(pieces))
     finish_reduce(buf, op, comm.size)
     COUNTS["allreduce"] += 1
@@ -320,7 +363,7 @@ def hierarchical_allreduce(comm: Communicator, buf: Buf, op: ReduceOp, mop: Any,
     mpi_type = buf.dt.mpi
     per = nw.half_bytes // x.itemsize
     total = x.size
-    with _Timed(comm, "allreduce", buf):
+    with _Timed(comm, "allreduce", buf, nw):
         for s in range(0, total, per):
             m = min(per, total - s)
             segs = nw.half(x.dtype, m)
@@ -361,7 +404,7 @@ def reduce_scatter(comm: Communicator, buf: Buf, out: Buf, op: ReduceOp,
     y = out.mem.reshape(-1)
     offsets = [sum(counts[:k]) for k in range(n)]
     per = max(1, nw.half_bytes // x.itemsize // n)  # elements of each block per step
-    with _Timed(comm, "reduce_scatter", buf):
+    with _Timed(comm, "reduce_scatter", buf, nw):
         for s in range(0, max(counts, default=0), per):
             segs = nw.half(x.dtype, n * per)
             mine = segs[me]
@@ -389,7 +432,7 @@ def allgather(comm: Communicator, buf: Buf, out: Buf) -> Any:
     total = x.size
     y = out.mem.reshape(n, total)
     per = nw.half_bytes // x.itemsize
-    with _Timed(comm, "allgather", buf):
+    with _Timed(comm, "allgather", buf, nw):
         for s in range(0, total, per):
             m = min(per, total - s)
             segs = nw.half(x.dtype, m)
@@ -412,7 +455,7 @@ def broadcast(comm: Communicator, buf: Buf, src: int, result: Any) -> Any:
     total = x.size
     per = nw.half_bytes // x.itemsize
     root = nw.rank == src
-    with _Timed(comm, "broadcast", buf):
+    with _Timed(comm, "broadcast", buf, nw):
         for s in range(0, total, per):
             m = min(per, total - s)
             segs = nw.half(x.dtype, m)

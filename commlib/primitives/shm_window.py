@@ -13,6 +13,7 @@ from mpi4py import MPI
 from ..base.options import options
 from ..core import exits
 from ..core.communicator import Communicator
+from .shm_turns import Turns
 
 
 class NodeWindow:
@@ -42,6 +43,8 @@ class NodeWindow:
         self.step = 0
         self.freed = False
         self._views: dict[tuple, list[np.ndarray]] = {}
+        #: the order of the window's collectives; runs the nonblocking ones
+        self.turns = Turns(f"window of rank {self.rank}")
 
     def half(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Every rank's view of ``count`` elements of ``dtype`` in the next step's half."""
@@ -72,6 +75,7 @@ class NodeWindow:
         if self.freed:
             return
         self.freed = True
+        self.turns.stop()  # nonblocking collectives issued before the free run first
         if getattr(self.comm, "failed", False) or exits.leaving():
             # MPI_Win_free is collective: a rank tearing down on an error path (Lightning's
             # teardown after sys.exit(1) destroys the process group while rank 0 trains on)

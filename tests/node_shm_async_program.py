@@ -1,0 +1,34 @@
+"""A program for test_node_shm_async's exit tests: a nonblocking allreduce through the
+node's shared memory pending when a rank leaves.
+
+    python node_shm_async_program.py nowait|exit1
+
+``nowait``: every rank issues it and ends without ``wait()`` (the window's thread runs it
+at exit, before MPI finalizes); ``exit1``: rank 1 calls ``sys.exit(1)`` after a blocking
+allreduce, the others issue the nonblocking one and wait (the exit agreement must end the
+job with rank 1's status instead of a hang). Each rank prints ``SHM [names]`` (its
+segments) and ``RESULT`` lines."""
+import json
+import sys
+
+import numpy as np
+
+import commlib
+from commlib.base.options import options
+from commlib.primitives import node_shm
+from helpers import shm_segments
+
+options.shm = "1"
+mode = sys.argv[1]
+r, n = commlib.get_rank(), commlib.get_world_size()
+x = np.full(1 << 20, r + 1.0, np.float32)
+commlib.allreduce(x.copy())  # the window exists from here on
+print("SHM " + json.dumps(shm_segments()), flush=True)
+if mode == "exit1" and r == 1:
+    sys.exit(1)
+work = commlib.allreduce(x, async_op=True)
+if mode == "nowait":
+    print(f"RESULT rank {r} issued {node_shm.COUNTS['async']}", flush=True)
+else:
+    work.wait()
+    print(f"RESULT rank {r} waited {x[0]}", flush=True)
