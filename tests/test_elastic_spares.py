@@ -234,21 +234,30 @@ def test_a_replacement_is_spawned_once_the_spares_are_used_up(tmp_path, referenc
 
 
 @requires_store_world
-def test_a_spare_replaces_a_killed_trainer_in_the_store_backed_world(tmp_path, reference):
+@pytest.mark.parametrize("victim", [2, 0], ids=["trainer", "store-host"])
+def test_a_spare_replaces_a_killed_trainer_in_the_store_backed_world(tmp_path, reference,
+                                                                     victim):
     """3+1 started as a Kubernetes job would (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``;
     rank 0 hosts the store, ``commlib.mpi.launch``): trainer 2 SIGKILLed at step 12, spare
     3 joins ([0, 1, 3]), exact against the same 3-rank reference (the store-backed world's
-    4-rank MPICH layout adds the same pairs, see test_elastic_store)."""
+    4-rank MPICH layout adds the same pairs, see test_elastic_store). ``store-host``: rank
+    0, the store's host, is the one killed: rank 1's standby store takes over
+    (commlib.mpi.launch.standby) and spare 3 joins [1, 2, 3]."""
     codes, _, out, left = run_store_job(4, [TRAIN_PROGRAM, str(tmp_path), "--steps",
-                                            str(STEPS), "--fault", "kill", "--victims", "2",
-                                            "--at", "12", "--spares", "1"], OUTER_S,
-                                        COMMLIB_TIMEOUT="60", COMMLIB_FAULT_TOLERANT="1")
-    assert codes == [0, 0, -9, 0] and not left, (codes, out[-3000:])
+                                            str(STEPS), "--fault", "kill", "--victims",
+                                            str(victim), "--at", "12", "--spares", "1"],
+                                        OUTER_S, COMMLIB_TIMEOUT="60",
+                                        COMMLIB_FAULT_TOLERANT="1")
+    assert codes == [-9 if r == victim else 0 for r in range(4)] and not left, \
+        (codes, out[-3000:])
     assert not leftover_shm(str(tmp_path)), leftover_shm(str(tmp_path))
     found = results(str(tmp_path))
-    check(found, [0, 1, 3], reference, 0, out, expected={})
+    members = [r for r in range(4) if r != victim]
+    check(found, members, reference, 0, out, expected={})
     for rank, r in found.items():
-        assert merges(r) == [([0, 1, 3], [3])], (rank, r["recoveries"])
+        assert merges(r) == [(members, [3])], (rank, r["recoveries"])
+    assert out.count("standby store is the store now") == (3 if victim == 0 else 0), \
+        out[-3000:]
 
 
 def test_the_check_sees_a_spare_without_the_state(tmp_path, reference):
