@@ -16,6 +16,11 @@ slurmd, all in a temporary directory) runs commlib jobs through ``srun`` and ``s
   (no world can be formed: every task must fail in ``commlib.init`` naming srun and the
   fix, not train alone).
 
+* warm spares: ``srun -n 4 --kill-on-bad-exit=0`` of tests/elastic_train_program.py in
+  fault-tolerant mode, 3 trainers and 1 spare, task 2 SIGKILLed: the spare joins and every
+  trainer ends exact against the 3-rank run without failure (MPICH; negative control: a
+  spare without the state fails the check).
+
 Afterwards every daemon is stopped by its pid, nothing carrying the cluster's
 ``SLURM_CONF`` is left running, its directory is gone, and no MPICH segment appeared in
 ``/dev/shm``. Skipped (saying why) where Slurm or munge is not installed or not root.
@@ -32,7 +37,9 @@ import slurm_cluster
 from commlib.core import runtime
 from commlib.mpi.launch import environment
 from commlib.mpi.launch.world import shm_segments
+from elastic_common import TRAIN_PROGRAM, leftover_shm, results
 from helpers import mpi_impl, requires_store_world, serial_only
+from test_elastic_spares import reference  # noqa: F401 - the fixture (3 ranks, no failure)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -167,6 +174,34 @@ def test_sbatch_script_pmi2_exported_variables_and_a_world_that_cannot_form(clus
     assert len(re.findall(r"this process was started by srun, but MPI sees a world of 1 "
                           r"process.*mpi4py\.MPI was imported before commlib", step2)) == 2, text
     assert "srun --mpi=none python -c" in step2, text
+
+
+@needs_slurm
+@pytest.mark.skipif(mpi_impl().key != "mpich",
+                    reason="fault-tolerant mode in the store-backed world is MPICH's")
+@pytest.mark.parametrize("control", [False, True], ids=["exact", "spare-without-state"])
+def test_srun_a_warm_spare_replaces_a_killed_task(cluster, tmp_path, reference, control):
+    """Warm spares under Slurm (issue 34): ``srun -n 4 --kill-on-bad-exit=0`` (Slurm leaves
+    the other tasks running when one dies) of tests/elastic_train_program.py in
+    fault-tolerant mode (the store-backed world), ``run(spares=1)``: task 2 SIGKILLed
+    mid-backward at step 12, spare 3 joins ([0, 1, 3]) and every trainer ends bit for bit
+    equal to the 3-rank run without failure (test_elastic_spares' reference). Negative
+    control: a spare that keeps its own model (``--skip-spare-state``) must make the same
+    check fail."""
+    from test_elastic_spares import STEPS, check, merges
+    argv = ["srun", "-n", "4", "--kill-on-bad-exit=0", "python", TRAIN_PROGRAM, str(tmp_path),
+            "--steps", str(STEPS), "--fault", "kill", "--victims", "2", "--at", "12",
+            "--spares", "1"] + (["--skip-spare-state"] if control else [])
+    code, out = cluster.run(argv, timeout=240, **job_env(
+        PYTHONPATH=REPO + os.pathsep + HERE, COMMLIB_FAULT_TOLERANT="1",
+        COMMLIB_TIMEOUT="60"))
+    assert code != -9, f"hang\n{out[-3000:]}"
+    assert "task 2: Killed" in out, out[-3000:]
+    found = results(str(tmp_path))
+    check(found, [0, 1, 3], reference, 0, out, expected={}, exact=not control)
+    for rank, r in found.items():
+        assert merges(r) == [([0, 1, 3], [3])], (rank, r["recoveries"])
+    assert not leftover_shm(str(tmp_path)), leftover_shm(str(tmp_path))
 
 
 EXPORTED = ("import commlib, os; commlib.init(); j = commlib.mpi.launch.current().job; "
