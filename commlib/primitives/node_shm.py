@@ -53,7 +53,8 @@ fault-tolerant mode; run by the window's thread in issue order, :mod:`.shm_turns
 other nonblocking collectives stay on MPI), on host memory (numpy arrays, CPU torch
 tensors, and the host staging of GPU buffers), when every rank of the communicator is on
 one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer's size is in one of
-the ranges of :data:`AUTO_RANGES` for that operation, where it beat MPI in
+the ranges of :data:`AUTO_RANGES` for that operation (and below
+:data:`OVERSUBSCRIBED_MAX_BYTES` where ranks outnumber cores), where it beat MPI in
 ``benchmarks/bench_collectives.py --shm`` against the MPI implementation in use (MPICH:
 allreduce from 16 KiB to 2 MiB and from 32 MiB on, reduce_scatter from 256 KiB on; Open MPI
 and Intel MPI, whose own small allreduces the tier does not beat: allreduce from 32 MiB,
@@ -140,6 +141,12 @@ WHOLE_STEP_BYTES = 64 << 10
 #: steps of one chunk overlap the leaders' allreduce of another, commlib.primitives.
 #: allreduce), which this tier does not; not measured across real nodes yet.
 HIERARCHICAL_MAX_BYTES = 2 << 20
+#: With ``COMMLIB_SHM=auto`` on a host whose ranks outnumber its cores (the waits poll and
+#: sleep: ``Communicator.poll_s``), the flat collectives take the tier below this size only:
+#: at 4 ranks on 2 cores its barriers' sleeps made 32 and 64 MiB allreduces 1.4-1.5x slower
+#: than MPI's, while up to 1 MiB it still beat commlib's MPI path (two runs,
+#: ``benchmarks/results/collectives_shm_n4_mpich*.json``).
+OVERSUBSCRIBED_MAX_BYTES = 4 << 20
 #: With ``COMMLIB_SHM=auto``, nonblocking collectives take the tier from this size on
 #: (:func:`use_async`); below it the hand-over to the window's thread costs more than the
 #: tier gains.
@@ -192,8 +199,10 @@ def use(comm: Communicator, buf: Buf, op: str) -> bool:
     setting = options.shm
     if setting == "0" or comm.size < 2 or buf.mem.__class__ is not np.ndarray:
         return False
-    if setting == "auto" and not auto(op, buf.count * buf.dt.itemsize):
-        return False
+    if setting == "auto":
+        nbytes = buf.count * buf.dt.itemsize
+        if not auto(op, nbytes) or (comm.poll_s and nbytes >= OVERSUBSCRIBED_MAX_BYTES):
+            return False
     nw = window(comm)
     return nw is not None and nw.whole
 
