@@ -292,6 +292,20 @@ def _agree() -> None:
     comm.Free()
 
 
+def all_ended_normally() -> bool:
+    """After the exit agreement (an :func:`commlib.mpi.shutdown.at_final` step registered
+    after it): whether every rank of the job, this one included, ended with status 0, so
+    that a collective every rank makes on its way out (freeing what they made together)
+    is safe; False before the agreement, in a world of one and in fault-tolerant mode."""
+    ex = _state
+    if ex is None or not ex.closed or options.fault_tolerant:
+        return False
+    if _exit_status is not None and _exit_status[0] != 0:
+        return False
+    n = MPI.COMM_WORLD.Get_size()
+    return len(ex.left) == n - 1 and all(code == 0 for code, _, _ in ex.left.values())
+
+
 def left_ranks() -> frozenset[int]:
     """World ranks that sent their exit message (they left, or are leaving, the program)."""
     ex = _state

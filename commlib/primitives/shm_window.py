@@ -13,6 +13,7 @@ from mpi4py import MPI
 from ..base.options import options
 from ..core import exits
 from ..core.communicator import Communicator
+from ..mpi import shutdown
 from .shm_turns import Turns
 
 
@@ -99,6 +100,21 @@ _WINDOWS: weakref.WeakKeyDictionary[Communicator, NodeWindow | None] = \
     weakref.WeakKeyDictionary()
 
 
+def free_at_exit() -> None:
+    """At exit, after the exit agreement (:func:`commlib.mpi.shutdown.at_final`): when
+    every rank ended normally, free the windows still alive, in the order they were made
+    (the same on every rank: each was made collectively), so that ``MPI_Finalize`` finds
+    none. A window left to ``MPI_Finalize`` made MPICH's OFI netmod fail there
+    (``fabricclose ... Device or resource busy``) where ranks of one node also talk to other
+    nodes over a network. After an abnormal end the process's end releases them."""
+    if not exits.all_ended_normally():
+        return
+    for comm in list(_WINDOWS.keys()):
+        nw = _WINDOWS.get(comm)
+        if nw is not None and not nw.freed:
+            nw.free()
+
+
 def made(comm: Communicator) -> NodeWindow | None:
     """``comm``'s window if :func:`window` made one (local; None otherwise)."""
     return _WINDOWS.get(comm)
@@ -124,6 +140,7 @@ def window(comm: Communicator, half_bytes: int) -> NodeWindow | None:
     _WINDOWS[comm] = nw
     if nw is not None:
         comm.on_free.append(nw.free)
+        shutdown.at_final(free_at_exit)  # once, after the exit agreement (registered first)
     return nw
 
 
