@@ -283,6 +283,9 @@ def test_dispatch_by_size_async_and_world_window(monkeypatch):
     for op, ranges in node_shm.MPICH_AUTO_RANGES.items():
         monkeypatch.setitem(node_shm.AUTO_RANGES, op, ranges)
     options.shm = "auto"
+    world_window = node_shm.window(commlib.world().comm) if n > 1 else None
+    if world_window is not None:  # the ranks' caches shared (test_far_node_dispatch: not)
+        monkeypatch.setattr(world_window, "far", False)
     (low, high), (big, _) = node_shm.AUTO_RANGES["allreduce"]
     # ranks outnumbering cores (the waits sleep): from OVERSUBSCRIBED_MAX_BYTES on, MPI
     crowded = commlib.world().comm.poll_s > 0
@@ -316,6 +319,45 @@ def test_dispatch_by_size_async_and_world_window(monkeypatch):
     if n > 1:
         nw = node_shm.window(commlib.world().comm)
         assert nw.whole and nw.half_bytes == node_shm.SEGMENT_BYTES
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.usefixtures("setting")
+def test_far_node_dispatch_and_the_probe(monkeypatch):
+    """The cross-core probe (shm_window.cross_core_ratio) answers the same on every rank,
+    again when rerun; on a *far* node (forced here: which one this machine is varies from
+    job to job) ``auto`` keeps the tier only inside FAR_RANGES as well: allreduce 1.5 MiB
+    yes, 32 MiB no; reduce_scatter 512 KiB yes, 4 MiB no; ``1`` takes it anyway."""
+    from mpi4py import MPI
+    from commlib.primitives import shm_window
+    r, n = commlib.get_rank(), commlib.get_world_size()
+    nw = node_shm.window(commlib.world().comm)
+    assert nw is not None and nw.cross_ratio > 0
+    again = shm_window.cross_core_ratio(nw)
+    for value in (nw.cross_ratio, nw.far, again):
+        assert len(set(MPI.COMM_WORLD.allgather(value))) == 1, value
+    assert nw.far == (nw.cross_ratio > shm_window.FAR_RATIO)
+    for op, ranges in node_shm.MPICH_AUTO_RANGES.items():
+        monkeypatch.setitem(node_shm.AUTO_RANGES, op, ranges)
+    monkeypatch.setattr(nw, "far", True)
+    monkeypatch.setattr(commlib.world().comm, "poll_s", 0.0)  # not crowded
+    options.shm = "auto"
+    for op, nbytes, used in (("allreduce", (3 << 20) // 2, True),
+                             ("allreduce", 32 << 20, False),
+                             ("reduce_scatter", 512 << 10, True),
+                             ("reduce_scatter", 4 << 20, False)):
+        before = node_shm.COUNTS[op]
+        x = np.full(nbytes // 4, r + 1.0, np.float32)
+        if op == "allreduce":
+            commlib.allreduce(x)
+            assert (x == n * (n + 1) / 2).all()
+        else:
+            commlib.reduce_scatter(x)
+        assert node_shm.COUNTS[op] == before + used, (op, nbytes, used)
+    options.shm = "1"
+    before = node_shm.COUNTS["allreduce"]
+    commlib.allreduce(np.ones((32 << 20) // 4, np.float32))
+    assert node_shm.COUNTS["allreduce"] == before + 1
 
 
 def test_auto_ranges_per_runtime():

@@ -54,7 +54,9 @@ other nonblocking collectives stay on MPI), on host memory (numpy arrays, CPU to
 tensors, and the host staging of GPU buffers), when every rank of the communicator is on
 one node, and, with ``COMMLIB_SHM=auto`` (the default), when the buffer's size is in one of
 the ranges of :data:`AUTO_RANGES` for that operation (and below
-:data:`OVERSUBSCRIBED_MAX_BYTES` where ranks outnumber cores), where it beat MPI in
+:data:`OVERSUBSCRIBED_MAX_BYTES` where ranks outnumber cores, and inside
+:data:`FAR_RANGES` too where the node's ranks do not share a last-level cache:
+``NodeWindow.far``, probed when the window is made), where it beat MPI in
 ``benchmarks/bench_collectives.py --shm`` against the MPI implementation in use (MPICH:
 allreduce from 16 KiB to 2 MiB and from 32 MiB on, reduce_scatter from 256 KiB on; Open MPI
 and Intel MPI, whose own small allreduces the tier does not beat: allreduce from 32 MiB,
@@ -117,8 +119,8 @@ SEGMENT_BYTES = 1 << 20
 #: (MPI falls to 2.4 GB/s busbw out of the cache, the tier keeps its 1 MiB steps in it);
 #: reruns on 2026-12-05 (quiet, 4 runs; results/collectives_shm_range_n2_mpich*.json):
 #: 16 MiB 1.04-1.17x, 25 MiB 1.17-1.22x in 2 runs but 0.38-0.40x (median; best 0.38-1.03)
-#: in the other 2 (a slow mode of the tier at that size, cause not found), 32-64 MiB
-#: 2.8-3.1x in all: the second range stays at 32 MiB until the slow mode is understood;
+#: in the other 2 (the tier's slow mode: ranks without a shared cache, see
+#: :data:`FAR_RANGES`), 32-64 MiB 2.8-3.1x in all: the second range starts at 32 MiB;
 #: reduce_scatter wins 1.4-3.8x from 256 KiB on; allgather and broadcast never win at 2
 #: ranks (MPI's single-copy transfers: one copy per byte against the tier's two).
 #: Each operation's ranges are in ascending order (auto() stops below the first).
@@ -133,6 +135,18 @@ MPICH_AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
 }
 AUTO_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
     **MPICH_AUTO_RANGES, **dict(mpi_impl.current(MPI).shm_auto_ranges)}
+#: Under ``COMMLIB_SHM=auto`` on a *far* node (``NodeWindow.far``: its ranks' caches are
+#: not shared, :func:`commlib.primitives.shm_window.cross_core_ratio`), the flat collectives
+#: take the tier only where these ranges allow it too (intersected with
+#: :data:`AUTO_RANGES`). Measured at 2 ranks with MPICH in that mode (4 jobs, the tier
+#: against MPI): allreduce 1.01-1.07x up to 1 MiB, 0.55-0.99x from 2 MiB, 0.79-0.94x at
+#: 32-64 MiB; reduce_scatter 1.08-1.34x at 256 KiB, 0.31-0.56x from 1 to 32 MiB.
+FAR_RANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "allreduce": ((16 << 10, 2 << 20),),
+    "reduce_scatter": ((256 << 10, 1 << 20),),
+    "allgather": (),
+    "broadcast": (),
+}
 #: Allreduce steps of at most this many bytes are reduced whole by every rank (one barrier
 #: instead of two; see :func:`reduce_all`).
 WHOLE_STEP_BYTES = 64 << 10
@@ -164,10 +178,15 @@ def window(comm: Communicator) -> NodeWindow | None:
     return shm_window.window(comm, SEGMENT_BYTES)
 
 
-def auto(op: str, nbytes: int) -> bool:
+def auto(op: str, nbytes: int, far: bool = False) -> bool:
     """Whether ``COMMLIB_SHM=auto`` takes ``op`` of ``nbytes`` bytes per rank through
-    shared memory (:data:`AUTO_RANGES`)."""
-    ranges = AUTO_RANGES[op]
+    shared memory (:data:`AUTO_RANGES`; on a ``far`` node :data:`FAR_RANGES` too)."""
+    if far and not _within(FAR_RANGES[op], nbytes):
+        return False
+    return _within(AUTO_RANGES[op], nbytes)
+
+
+def _within(ranges: tuple[tuple[int, int | None], ...], nbytes: int) -> bool:
     if not ranges or nbytes < ranges[0][0]:  # below the first range (small messages)
         return False
     for low, high in ranges:
@@ -203,6 +222,8 @@ def use(comm: Communicator, buf: Buf, op: str) -> bool:
         nbytes = buf.count * buf.dt.itemsize
         if not auto(op, nbytes) or (comm.poll_s and nbytes >= OVERSUBSCRIBED_MAX_BYTES):
             return False
+        nw = window(comm)
+        return nw is not None and nw.whole and not (nw.far and not auto(op, nbytes, True))
     nw = window(comm)
     return nw is not None and nw.whole
 

@@ -4,7 +4,7 @@ collectives that use it and for how it behaves in fault-tolerant mode and on exi
 from __future__ import annotations
 
 import weakref
-from time import sleep
+from time import perf_counter, sleep
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,10 @@ class NodeWindow:
         self._views: dict[tuple, list[np.ndarray]] = {}
         #: the order of the window's collectives; runs the nonblocking ones
         self.turns = Turns(f"window of rank {self.rank}")
+        #: reading a neighbour's fresh data is much slower than one's own (different
+        #: last-level caches: :func:`cross_core_ratio`); the same on every rank
+        self.far = False
+        self.cross_ratio = 1.0
 
     def half(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Every rank's view of ``count`` elements of ``dtype`` in the next step's half."""
@@ -182,4 +186,43 @@ def _make(comm: Communicator, local: Communicator, leaders: Communicator | None,
     segments[shared.Get_rank()][:] = 0  # first touch: the pages on this rank's NUMA node
     nw = NodeWindow(shared, win, segments, whole, comm.poll_s, half, all(everyone), lead)
     nw.sync()
+    nw.cross_ratio = cross_core_ratio(nw)
+    nw.far = nw.cross_ratio > FAR_RATIO
     return nw
+
+
+#: Bytes each rank reads in :func:`cross_core_ratio` (at most its segment).
+PROBE_BYTES = 1 << 20
+#: A node whose :func:`cross_core_ratio` exceeds this is *far* (``NodeWindow.far``).
+FAR_RATIO = 1.4
+
+
+def cross_core_ratio(nw: NodeWindow) -> float:
+    """How much slower a rank reads what its neighbour just wrote than what it wrote
+    itself (:data:`PROBE_BYTES` of the window, best of three; the largest ratio of the
+    node's ranks, the same on every rank; collective over ``nw.comm``; about 1 ms).
+
+    On the development VM (2 vCPUs of an AMD EPYC) it is about 1.0 in some jobs and 1.8
+    in others: the host places the two vCPUs on cores that share a last-level cache or not,
+    and the tier, which moves each step's data from one core's cache to the other's, ran
+    a 64 MiB allreduce in 9.5-10 ms in the first case and 35-36 ms in the second, where
+    MPI's own (memory-bound) took 28 ms in both (6 of 6 jobs matched; docs/benchmarks/
+    collectives.md). Ranks on different sockets or chiplets of a real node are the second
+    case."""
+    me, n = nw.rank, nw.size
+    nbytes = min(PROBE_BYTES, nw.segments[me].size)
+    mine, peer = nw.segments[me][:nbytes], nw.segments[(me + 1) % n][:nbytes]
+    scratch = np.empty(nbytes, np.uint8)
+    local = cross = float("inf")
+    for i in range(4):
+        mine.fill(i + 1)  # in this core's caches now; the neighbour did the same
+        nw.sync()
+        t0 = perf_counter()
+        np.copyto(scratch, mine)
+        t1 = perf_counter()
+        np.copyto(scratch, peer)
+        t2 = perf_counter()
+        nw.sync()
+        if i:  # the first round maps the neighbour's pages
+            local, cross = min(local, t1 - t0), min(cross, t2 - t1)
+    return float(nw.comm.allreduce(cross / max(local, 1e-9), op=MPI.MAX))
