@@ -269,9 +269,14 @@ def test_the_check_sees_a_spare_without_the_state(tmp_path, reference):
 
 
 def test_spares_must_leave_a_trainer(tmp_path):
-    """``spares`` >= the world size: ValueError on every rank, naming the argument."""
+    """``spares`` >= the world size: ValueError on every rank that gets there, naming the
+    argument and the rank; nothing trains. (Every rank raises it; under load Open MPI's
+    launcher once ended rank 0, still starting, as soon as rank 1 had left with status 1,
+    before rank 0 printed anything: so at least one rank's message, and no other error.)"""
     status, out, found = job(tmp_path, 2, "--spares", "2")
     assert status != 0 and not found, (status, out[-2000:])
-    assert out.count("argument 'spares'=2 must be >= 0 and smaller than the world size 2") \
-        == 2, out[-3000:]
+    said = out.count("argument 'spares'=2 must be >= 0 and smaller than the world size 2")
+    expected = 2 if mpi_impl().key == "mpich" else (1, 2)
+    assert said == expected if isinstance(expected, int) else said in expected, out[-3000:]
+    assert out.count("Traceback") == said, out[-3000:]
 
