@@ -329,6 +329,7 @@ def test_far_node_dispatch_and_the_probe(monkeypatch):
     job to job) ``auto`` keeps the tier only inside FAR_RANGES as well: allreduce 1.5 MiB
     yes, 32 MiB no; reduce_scatter 512 KiB yes, 4 MiB no; ``1`` takes it anyway."""
     from mpi4py import MPI
+
     from commlib.primitives import shm_window
     r, n = commlib.get_rank(), commlib.get_world_size()
     nw = node_shm.window(commlib.world().comm)

@@ -180,7 +180,9 @@ def test_sbatch_script_pmi2_exported_variables_and_a_world_that_cannot_form(clus
 @pytest.mark.skipif(mpi_impl().key != "mpich",
                     reason="fault-tolerant mode in the store-backed world is MPICH's")
 @pytest.mark.parametrize("control", [False, True], ids=["exact", "spare-without-state"])
-def test_srun_a_warm_spare_replaces_a_killed_task(cluster, tmp_path, reference, control):
+def test_srun_a_warm_spare_replaces_a_killed_task(cluster, tmp_path,
+                                                  reference,  # noqa: F811 - the fixture
+                                                  control):
     """Warm spares under Slurm (issue 34): ``srun -n 4 --kill-on-bad-exit=0`` (Slurm leaves
     the other tasks running when one dies) of tests/elastic_train_program.py in
     fault-tolerant mode (the store-backed world), ``run(spares=1)``: task 2 SIGKILLed
