@@ -188,3 +188,23 @@ def leftover_segments(out: str) -> list[str]:
     import re
     names = {n for m in re.findall(r"SHM (\[[^\]]*\])", out) for n in json.loads(m)}
     return sorted(n for n in names if os.path.exists(os.path.join("/dev/shm", n)))
+
+
+def small_window_group(half: int):
+    """For a module-scoped fixture (``yield from``): a group over every rank whose node
+    window has ``half``-byte halves (made now, while ``node_shm.SEGMENT_BYTES`` says so: a
+    few elements take several window steps), freed after the module (window, thread and
+    all)."""
+    import commlib
+    from commlib.primitives import node_shm
+    saved = node_shm.SEGMENT_BYTES
+    node_shm.SEGMENT_BYTES = half
+    g = commlib.new_group()
+    try:
+        nw = node_shm.window(g.comm) if g.size > 1 else None
+    finally:
+        node_shm.SEGMENT_BYTES = saved
+    assert g.size == 1 or (nw is not None and nw.whole and nw.half_bytes == half)
+    yield g
+    g.free()
+    assert nw is None or (nw.freed and nw.turns._thread is None)

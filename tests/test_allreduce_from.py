@@ -20,7 +20,7 @@ import commlib
 from commlib import ReduceOp
 from commlib.base.options import options
 from commlib.primitives import allreduce_from, node_shm
-from helpers import to_kind, to_numpy
+from helpers import small_window_group, to_kind, to_numpy
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
@@ -33,16 +33,7 @@ SIZES = {"tiny": 7, "below": 300, "steps": 3 * 1024 + 5}
 
 @pytest.fixture(scope="module")
 def group():
-    saved = node_shm.SEGMENT_BYTES
-    node_shm.SEGMENT_BYTES = HALF
-    g = commlib.new_group()
-    try:
-        if g.size > 1:
-            node_shm.window(g.comm)
-    finally:
-        node_shm.SEGMENT_BYTES = saved
-    yield g
-    g.free()
+    yield from small_window_group(HALF)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from commlib import ReduceOp
 from commlib.base.options import options
 from commlib.base.reduce_ops import mpi_op
 from commlib.primitives import node_shm
-from helpers import mpi_impl, serial_only
+from helpers import mpi_impl, serial_only, small_window_group
 
 torch = pytest.importorskip("torch")
 
@@ -54,17 +54,7 @@ def numel(size: str, dtype: str) -> int:
 def group():
     """A group over every rank whose window has 4 KiB halves (made on its first use,
     while SEGMENT_BYTES says so), freed after the module."""
-    saved = node_shm.SEGMENT_BYTES
-    node_shm.SEGMENT_BYTES = HALF
-    g = commlib.new_group()
-    try:
-        nw = node_shm.window(g.comm) if g.size > 1 else None
-    finally:
-        node_shm.SEGMENT_BYTES = saved
-    assert g.size == 1 or (nw is not None and nw.whole and nw.half_bytes == HALF)
-    yield g
-    g.free()
-    assert nw is None or nw.freed
+    yield from small_window_group(HALF)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import commlib
 from commlib.base.options import options
 from commlib.primitives import node_shm
-from helpers import leftover_segments, run_mpi, serial_only
+from helpers import leftover_segments, run_mpi, serial_only, small_window_group
 from test_node_shm import compare, make, same_everywhere, valid_ops, values
 
 torch = pytest.importorskip("torch")
@@ -29,16 +29,7 @@ HALF = 4096  # bytes of a window half in the test group: several steps per opera
 @pytest.fixture(scope="module")
 def group():
     """A group over every rank whose window has 4 KiB halves, freed after the module."""
-    saved = node_shm.SEGMENT_BYTES
-    node_shm.SEGMENT_BYTES = HALF
-    g = commlib.new_group()
-    try:
-        nw = node_shm.window(g.comm) if g.size > 1 else None
-    finally:
-        node_shm.SEGMENT_BYTES = saved
-    yield g
-    g.free()
-    assert nw is None or (nw.freed and nw.turns._thread is None)
+    yield from small_window_group(HALF)
 
 
 @pytest.fixture
