@@ -19,7 +19,7 @@ import commlib
 from commlib.base.options import options
 from commlib.primitives import node_shm
 from helpers import leftover_segments, run_mpi, serial_only, small_window_group
-from test_node_shm import compare, make, same_everywhere, valid_ops, values
+from test_node_shm import as_numpy, compare, make, same_everywhere, valid_ops, values
 
 torch = pytest.importorskip("torch")
 
@@ -68,14 +68,9 @@ def test_matches_the_blocking_tier_and_mpi(group, kind, dtype):
         options.shm = "0"
         via_mpi = commlib.allreduce(make(vals, kind, dtype), op, group)
         options.shm = "1"
-        np.testing.assert_array_equal(np.asarray(_np(nonblocking)), np.asarray(_np(blocking)))
+        np.testing.assert_array_equal(as_numpy(nonblocking), as_numpy(blocking))
         same_everywhere(nonblocking)
         compare(nonblocking, via_mpi, dtype, exact=False)
-
-
-def _np(x):
-    return x.float().numpy() if hasattr(x, "numpy") and x.dtype == torch.bfloat16 else \
-        (x.numpy() if hasattr(x, "numpy") else x)
 
 
 def _issue_and_check(group, swap: bool) -> None:

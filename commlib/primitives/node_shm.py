@@ -178,11 +178,9 @@ def window(comm: Communicator) -> NodeWindow | None:
     return shm_window.window(comm, SEGMENT_BYTES)
 
 
-def auto(op: str, nbytes: int, far: bool = False) -> bool:
+def auto(op: str, nbytes: int) -> bool:
     """Whether ``COMMLIB_SHM=auto`` takes ``op`` of ``nbytes`` bytes per rank through
-    shared memory (:data:`AUTO_RANGES`; on a ``far`` node :data:`FAR_RANGES` too)."""
-    if far and not _within(FAR_RANGES[op], nbytes):
-        return False
+    shared memory (:data:`AUTO_RANGES`; a far node also needs :data:`FAR_RANGES`)."""
     return _within(AUTO_RANGES[op], nbytes)
 
 
@@ -223,7 +221,8 @@ def use(comm: Communicator, buf: Buf, op: str) -> bool:
         if not auto(op, nbytes) or (comm.poll_s and nbytes >= OVERSUBSCRIBED_MAX_BYTES):
             return False
         nw = window(comm)
-        return nw is not None and nw.whole and not (nw.far and not auto(op, nbytes, True))
+        return nw is not None and nw.whole and not (nw.far and
+                                                    not _within(FAR_RANGES[op], nbytes))
     nw = window(comm)
     return nw is not None and nw.whole
 

@@ -30,14 +30,13 @@ class TierWork:
     :class:`commlib.Work`): ``wait()`` blocks until the window's thread has run it and
     returns its result, or raises its error; ``is_completed()`` never blocks."""
 
-    __slots__ = ("_op", "_done", "_result", "_error", "_t0")
+    __slots__ = ("_op", "_done", "_result", "_error")
 
     def __init__(self, op: str) -> None:
         self._op = op
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        self._t0 = time.perf_counter()
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
@@ -99,16 +98,23 @@ class Turns:
         with self._cond:
             ticket = self._next
             self._next += 1
-            while self._turn != ticket:
-                self._cond.wait()
+        self._wait_turn(ticket)
         return ticket
 
     def leave(self, ticket: int | None) -> None:
         """After a blocking operation (also when it raised): the next ticket's turn."""
         if ticket is not None:
-            with self._cond:
-                self._turn += 1
-                self._cond.notify_all()
+            self._advance()
+
+    def _wait_turn(self, ticket: int) -> None:
+        with self._cond:
+            while self._turn != ticket:
+                self._cond.wait()
+
+    def _advance(self) -> None:
+        with self._cond:
+            self._turn += 1
+            self._cond.notify_all()
 
     # -- nonblocking operations --------------------------------------------------------
     def submit(self, op: str, run: Callable[[], Any]) -> TierWork:
@@ -133,9 +139,7 @@ class Turns:
             if item is None:
                 return
             ticket, run, work = item
-            with self._cond:
-                while self._turn != ticket:
-                    self._cond.wait()
+            self._wait_turn(ticket)
             result: Any = None
             error: BaseException | None = None
             try:
@@ -143,9 +147,7 @@ class Turns:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 error = exc
             finally:
-                with self._cond:
-                    self._turn += 1
-                    self._cond.notify_all()
+                self._advance()
             work._finish(result, error)
 
     def stop(self, timeout_s: float = 10.0) -> bool:
