@@ -101,6 +101,9 @@ parser.add_argument("--skip-spare-state", action="store_true",
                     help="a joining spare keeps its own model (negative control)")
 parser.add_argument("--join-victim", type=int, default=-1,
                     help="this spare SIGKILLs itself at --join-death while it joins")
+parser.add_argument("--replacement-dies-at", type=int, default=0,
+                    help="the first replacement spawned by --replace SIGKILLs itself in "
+                         "the middle of the backward of this step")
 parser.add_argument("--join-death", default="",
                     help="the point of the joining (commlib.elastic.spares._JOIN_HOOK): "
                          "called, assembled, receiving, received")
@@ -132,11 +135,25 @@ from commlib.primitives import ft as _ft  # noqa: E402
 # a replacement spawned by run(replace=True) has a rank of the grown world, which a living
 # rank may have too: its segments under a name of its own (its results: see name_spawned)
 write_shm(args.outdir, 1000 + os.getpid() if _ft.joined else me)
+
+
+def _first_replacement(outdir: str) -> bool:
+    """Whether this is the first replacement spawned in the job (it creates the marker)."""
+    try:
+        os.close(os.open(os.path.join(outdir, "replacement-victim"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 victims = [int(v) for v in args.victims.split(",")]
 at = [int(k) for k in args.at.split(",")]
 plan = dict(zip(victims, at))
 if _ft.joined:  # a replacement spawned by run(replace=True): it is no victim
     plan = {}
+    if args.replacement_dies_at and _first_replacement(args.outdir):
+        plan = {me: args.replacement_dies_at}
 recovery_module._SKIP_AGREEMENT = args.skip_agreement
 if args.skip_spare_state:
     from commlib.elastic import spares as _spares_module

@@ -233,6 +233,41 @@ def test_a_replacement_is_spawned_once_the_spares_are_used_up(tmp_path, referenc
         assert len(grown) == 1 and grown[0]["size"] == 3, found[rank]["recoveries"]
 
 
+@pytest.mark.parametrize("second", ["replacement", "survivor"])
+def test_a_death_after_a_replacement_joined(tmp_path, reference, second):
+    """3 trainers with ``replace=True`` and no spare: trainer 2 SIGKILLed at step 8, a
+    replacement is spawned on its host and takes the state; at step 16 a second SIGKILL
+    mid-backward: of that replacement (``replacement``) or of rank 0, one of its parents
+    and the spawn's root (``survivor``). The replacement lives in another
+    ``MPI_COMM_WORLD`` (spawned), which neither the parents' launcher nor their watch of
+    their own world's processes covers, nor the replacement's of theirs: the living must
+    still see the death, recover, spawn another replacement and end back at 3, exact (every
+    step applied by 3 ranks). Both hung until the watchdog (60 s) before the grown world's
+    processes were watched (``failure_detection.Watcher.watch_grown``)."""
+    refusal = mpi_impl().spawn_refusal
+    if refusal:
+        pytest.skip(f"replacements refused: {refusal}")
+    victims, extra = (("2", ["--replacement-dies-at", "16"]) if second == "replacement"
+                      else ("2,0", []))
+    status, out, found = job(tmp_path, 3, "--fault", "kill", "--victims", victims, "--at",
+                             "8,16", "--replace", *extra, ELASTIC_HOSTS=rank_hosts(3))
+    check(found, [0, 1, 2], reference, status, out)
+
+    def seen(r: dict) -> tuple[list, int]:  # (failed world ranks, grown) per recovery
+        return ([x["failed"] for x in r["recoveries"] if "failed" in x],
+                sum(1 for x in r["recoveries"] if x.get("grown")))
+    # rank 1 survives throughout: two deaths, two replacements (ranks of the world then:
+    # the second death is rank 2 of the grown world, the replacement, or its rank 0)
+    assert seen(found[1]) == ([[2], [2 if second == "replacement" else 0]], 2), \
+        found[1]["recoveries"]
+    if second == "survivor":  # the first replacement (named 0) saw the second death
+        assert seen(found[0]) == ([[0]], 2), found[0]["recoveries"]  # (its own join too)
+    else:  # rank 0 survives throughout too
+        assert seen(found[0]) == seen(found[1]), found[0]["recoveries"]
+        with open(tmp_path / "fault2.json") as f:  # written by the dead replacement
+            assert json.load(f)["step"] == 16
+
+
 @requires_store_world
 @pytest.mark.parametrize("victim", [2, 0], ids=["trainer", "store-host"])
 def test_a_spare_replaces_a_killed_trainer_in_the_store_backed_world(tmp_path, reference,

@@ -144,6 +144,8 @@ class Watcher:
         self.det_map: dict[int, int] | None = None  # detector rank -> base rank (None: same)
         self.epoch = 0
         self.raw_dead: set[int] = set()  # as the detectors report them
+        # the grown world's peers on this machine, watched in its ranks (see watch_grown)
+        self.grown: LocalProcesses | None = None
         self.changed_at = 0.0  # time.monotonic() of the last death seen
         self._thread = threading.Thread(target=self._run, name="commlib-ft", daemon=True)
         self._thread.start()
@@ -170,6 +172,9 @@ class Watcher:
                 pass
         self.raw_dead |= found
         found = self.to_base(found)
+        grown = self.grown
+        if grown is not None:
+            found.update(grown())
         self.polls += 1
         if found <= self.dead:
             return self.dead
@@ -207,12 +212,21 @@ class Watcher:
         with self.lock:
             self.det_map = {r: t for r, t in enumerate(there) if t != MPI.UNDEFINED}
             self.base = group
+            self.grown = None  # (in the old world's ranks: watch_grown sets the new one)
             self.epoch += 1
             self.dead = frozenset(r for r in self.dead if r < 0) | {-self.epoch}
             for key, (box, _) in list(self.waiting.items()):
                 del self.waiting[key]
                 box.event.set()
             self.changed.notify_all()
+
+    def watch_grown(self, peers: dict[int, tuple[str, str, int, int]], me: int) -> None:
+        """After :meth:`rebase`: watch the processes of the grown world on this machine by
+        their process ids (``peers``: rank of the grown world -> :func:`this_process` of
+        that rank). A process spawned into the world lives in another ``MPI_COMM_WORLD``
+        than its parents: neither their :class:`LocalProcesses` nor the launcher's list of
+        dead processes (one job's) covers it, nor, for the newcomer, its parents."""
+        self.grown = LocalProcesses(peers, me, len(peers))
 
     def wait_change(self, known: frozenset, timeout: float) -> frozenset:
         """Block up to ``timeout`` s until the dead set is not ``known`` any more."""

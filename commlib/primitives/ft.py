@@ -23,7 +23,7 @@ from ..base.errors import CommError, PeerFailure, where
 from ..base.options import options
 from ..core import exits, runtime
 from ..core.communicator import Communicator
-from ..fault import fault_tolerance
+from ..fault import failure_detection, fault_tolerance
 from ..fault.agreement import Agreement, Decision
 from ..fault.ft_backend import backend
 
@@ -309,13 +309,20 @@ def _adopt_world(merged: Any, old: Communicator) -> Communicator:
     """``merged`` (survivors and newcomers, all alive) becomes the world: failure
     detection counts in its ranks, a new control communicator, commlib's world."""
     global _ctl, _agreement
-    fault_tolerance.watcher().rebase(merged)
+    watcher = fault_tolerance.watcher()
+    watcher.rebase(merged)
     _ctl = merged.Dup()
     _agreement = Agreement(_ctl)
     size = merged.Get_size()
     name = f"world/grown{size}"
-    new = Communicator(fault_tolerance.adopt(merged, None, name), old.watchdog, name,
-                       tuple(range(size)))
+    ftcomm = fault_tolerance.adopt(merged, None, name)
+    # The newcomers' processes (and, for them, their parents') are in no MPI_COMM_WORLD
+    # that this process's failure detection covers: watch them by process id (a death in
+    # this exchange: the old world's are seen, a newcomer's is caught by its time limit).
+    procs = fault_tolerance.in_thread(ftcomm, "Allgather", merged.allgather,
+                                      failure_detection.this_process())
+    watcher.watch_grown(dict(enumerate(procs)), merged.Get_rank())
+    new = Communicator(ftcomm, old.watchdog, name, tuple(range(size)))
     runtime._world = new
     return new
 
