@@ -104,6 +104,10 @@ parser.add_argument("--join-victim", type=int, default=-1,
 parser.add_argument("--replacement-dies-at", type=int, default=0,
                     help="the first replacement spawned by --replace SIGKILLs itself in "
                          "the middle of the backward of this step")
+parser.add_argument("--replacement-join-death", default="",
+                    help="the first replacement spawned by --replace SIGKILLs itself at "
+                         "this point of its joining: assembled (the grown world built), "
+                         "received (the state taken)")
 parser.add_argument("--join-death", default="",
                     help="the point of the joining (commlib.elastic.spares._JOIN_HOOK): "
                          "called, assembled, receiving, received")
@@ -137,10 +141,10 @@ from commlib.primitives import ft as _ft  # noqa: E402
 write_shm(args.outdir, 1000 + os.getpid() if _ft.joined else me)
 
 
-def _first_replacement(outdir: str) -> bool:
+def _first_replacement(outdir: str, marker: str = "replacement-victim") -> bool:
     """Whether this is the first replacement spawned in the job (it creates the marker)."""
     try:
-        os.close(os.open(os.path.join(outdir, "replacement-victim"),
+        os.close(os.open(os.path.join(outdir, marker),
                          os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
     except FileExistsError:
@@ -346,6 +350,11 @@ def lag_average() -> None:
 
 if args.fault == "lagavg" and me == 1 and not reference and not scenarios:
     lag_average()
+if args.replacement_join_death and _ft.joined and _first_replacement(args.outdir,
+                                                                        "join-victim"):
+    from commlib.elastic import spares as _spares_module
+    _spares_module._JOIN_HOOK = lambda point: (die("kill") if point ==
+                                               args.replacement_join_death else None)
 if me == args.join_victim and args.join_death and not _ft.joined:
     from commlib.elastic import spares as _spares_module
 

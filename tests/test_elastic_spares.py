@@ -17,7 +17,10 @@ recover again and the second spare joins; 3+1: the only spare dies half way thro
 state: the survivors go on at reduced strength, exact against the run shrunk at the agreed
 step); a survivor SIGKILLed while a spare joins (3+2: the half-joined spare recovers with
 the other survivor and trains; it hung before); the spare used up, then a second trainer
-killed: with ``replace=True`` a replacement is spawned (3+1: back at 3 ranks, exact);
+killed: with ``replace=True`` a replacement is spawned (3+1: back at 3 ranks, exact); with
+``replace=True`` and no spare, a second death while the replacement joins (the replacement
+itself, or the survivor about to send it the state) or after it joined (the replacement, or
+rank 0): the living spawn again and end back at 3, exact;
 ``spares`` larger than the job refused on every rank; in the store-backed world
 (``commlib.mpi.launch``, rank 0 hosting the store), a spare replaces a killed trainer (3+1,
 exact). On Open MPI (``--with-ft ulfm``) the joining cases hung until the communicators
@@ -266,6 +269,38 @@ def test_a_death_after_a_replacement_joined(tmp_path, reference, second):
         assert seen(found[0]) == seen(found[1]), found[0]["recoveries"]
         with open(tmp_path / "fault2.json") as f:  # written by the dead replacement
             assert json.load(f)["step"] == 16
+
+
+@pytest.mark.parametrize("point", ["replacement-assembled", "replacement-received",
+                                   "survivor-sending"])
+def test_a_death_while_a_replacement_joins(tmp_path, reference, point):
+    """3 trainers with ``replace=True`` and no spare: trainer 2 SIGKILLed at step 8, a
+    replacement is spawned; then a second SIGKILL during its joining: of the replacement
+    itself, once the grown world is built (before the state is sent: ``assembled``) or once
+    it took the state (``received``), or of survivor 1 about to send the state
+    (``survivor-sending``: the replacement, without state, then recovers with rank 0 and
+    takes the agreed commit as a member without state). Every time the living recover,
+    spawn a replacement again and end back at 3, exact (every step applied by 3 ranks)."""
+    refusal = mpi_impl().spawn_refusal
+    if refusal:
+        pytest.skip(f"replacements refused: {refusal}")
+    who, where = point.split("-")
+    if who == "replacement" and mpi_impl().respawn_bug:
+        pytest.skip(f"known bug: {mpi_impl().respawn_bug}")
+    extra = (["--replacement-join-death", where] if who == "replacement"
+             else ["--join-victim", "1", "--join-death", where])
+    status, out, found = job(tmp_path, 3, "--fault", "kill", "--victims", "2", "--at", "8",
+                             "--replace", *extra, ELASTIC_HOSTS=rank_hosts(3))
+    check(found, [0, 1, 2], reference, status, out)
+    grown = [x for x in found[0]["recoveries"] if x.get("grown")]
+    failed = [x["failed"] for x in found[0]["recoveries"] if "failed" in x]
+    # rank 0 survives throughout: both deaths seen (a joining interrupted on rank 0 has
+    # no record of its own: whether rank 0's broadcast of the state ended first is timing)
+    assert failed == [[2], [2] if who == "replacement" else [1]], found[0]["recoveries"]
+    assert 1 <= len(grown) <= 2 and grown[-1]["size"] == 3, found[0]["recoveries"]
+    if point == "survivor-sending":  # the replacement took part without state
+        assert any(x.get("failed") == [1] and [-1, False] in x["values"].values()
+                   for x in found[0]["recoveries"]), found[0]["recoveries"]
 
 
 @requires_store_world

@@ -71,6 +71,50 @@ def test_a_reused_process_id_is_not_the_peer():
         a.wait()
 
 
+def test_a_peer_gone_before_the_watch_starts_is_dead_where_it_reported_alive():
+    """``gone_is_dead`` (the grown world's watch, ``Watcher.watch_grown``: every peer
+    reported in the grow, so it was alive): a peer whose process is gone by the time the
+    watch is built counts dead at the first poll. Without it such a peer is not watched
+    (then its death went unseen: a spawned replacement waited for a dead survivor until
+    the watchdog)."""
+    a = child()
+    peer = as_peer(a)
+    a.kill()
+    a.wait()
+    grown = fd.LocalProcesses({1: peer}, me=0, world_size=2, gone_is_dead=True)
+    assert grown() == {1} and grown.covers_world()
+    plain = fd.LocalProcesses({1: peer}, me=0, world_size=2)
+    assert plain() == set() and not plain.covers_world()
+
+
+def test_a_poll_across_a_rebase_is_dropped():
+    """A poll that read the detectors before a rebase (ranks of the old world) must not put
+    them into the new world's dead set (old rank 2, dead, is a living newcomer now)."""
+    w = fd.Watcher.__new__(fd.Watcher)  # (no thread, no MPI: the poll alone)
+    import threading
+    w.lock = threading.Lock()
+    w.changed = threading.Condition(w.lock)
+    w.dead, w.waiting, w.listeners = frozenset(), {}, []
+    w.launcher, w.det_map, w.grown, w.epoch, w.raw_dead, w.polls = None, None, None, 0, set(), 0
+
+    def source():  # the old world's rank 2 is dead (identity map: no rebase yet)
+        return [2]
+
+    def rebase_now():  # read after the ranks were mapped: the rebase comes in between
+        w.grown = None
+        w.epoch += 1
+        w.det_map = {0: 0, 1: 1}
+        w.dead = frozenset({-1})
+        return set()
+    w.grown = rebase_now
+    fd.SOURCES.append(source)
+    try:
+        assert 2 not in w.poll() and w.dead == frozenset({-1})
+        assert 2 not in w.poll()  # and the next poll maps it: not a rank of the new world
+    finally:
+        fd.SOURCES.remove(source)
+
+
 def test_peers_of_other_machines_or_namespaces_are_left_to_the_launcher():
     a = child()
     try:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..base.errors import CommError, PeerFailure
 from ..primitives import ft, world
-from .spares import release, split, stand_by, top_up
+from .spares import _reached, release, split, stand_by, top_up
 from .state import State
 from .zero import is_zero
 
@@ -70,7 +70,7 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
         raise CommError("commlib.elastic.run: spares and replace=True are not supported "
                         "with a ZeroRedundancyOptimizer (a newcomer would need a shard of "
                         "its own cut out of the others'; the survivors go on shrunk)")
-    standing_by = False
+    standing_by = joining = False
     if state.group is None:
         if spares and not ft.joined:
             standing_by = not split(state, int(spares))
@@ -78,10 +78,13 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
             state.__dict__["group"] = world()
             state.__dict__["target_size"] = state.group.size
             if ft.joined:  # spawned to replace a dead rank: take the state first
-                _sync(state, None, time.monotonic())
+                state.__dict__["_empty"] = joining = True
     failure: PeerFailure | None = None
     while True:
         try:
+            if joining:  # (a death meanwhile: this rank recovers with the others, as
+                joining = False  # a member without state, and receives the commit)
+                _sync(state, None, time.monotonic())
             if failure is not None:
                 exc, failure = failure, None
                 recover(state, exc, min_ranks, replace, spawn_info)
@@ -142,7 +145,10 @@ def _sync(state: State, group: Any, since: float) -> None:
     if fresh:
         group = world()
     state.__dict__["group"] = group
+    _reached("assembled" if fresh else "sending")
     state._receive(group, 0, keep=not fresh, adopted=fresh)
+    if fresh:
+        _reached("received")
     state.recoveries.append({"size": group.size, "members": list(group.ranks),
                              "values": {}, "step": state.step, "grown": True,
                              "seconds": time.monotonic() - since})

@@ -84,18 +84,20 @@ class LocalProcesses:
 
     ``peers`` maps each world rank (``MPI_COMM_WORLD``'s) to its :func:`this_process`
     tuple. A peer is watched when its boot id and pid namespace are this process's and its
-    process, seen here, has the start time it reported; it counts dead from the first poll
-    that finds that process gone, a zombie, or replaced (another start time)."""
+    process, seen here, has the start time it reported (``gone_is_dead``: whatever it has
+    now, for peers known alive when they reported: one that is gone already is dead); it
+    counts dead from the first poll that finds that process gone, a zombie, or replaced
+    (another start time)."""
 
     def __init__(self, peers: dict[int, tuple[str, str, int, int]], me: int,
-                 world_size: int) -> None:
+                 world_size: int, gone_is_dead: bool = False) -> None:
         boot, ns, _, _ = this_process()
         self.me, self.world_size = me, world_size
         self.watched: dict[int, tuple[int, int]] = {}
         for rank, (b, n, pid, start) in peers.items():
             if rank == me or not boot or not ns or (b, n) != (boot, ns) or not start:
                 continue
-            if _start_time(pid) == start:
+            if gone_is_dead or _start_time(pid) == start:
                 self.watched[rank] = (pid, start)
         self.dead: set[int] = set()
 
@@ -160,6 +162,7 @@ class Watcher:
 
     def poll(self) -> frozenset[int]:
         """Read every detector now; interrupt the waits that a new death concerns."""
+        epoch = self.epoch  # (ranks read before a rebase are not the new world's)
         local = _local
         found = set() if local is None else set(local())
         if self.launcher is not None and (local is None or not local.covers_world()):
@@ -180,6 +183,8 @@ class Watcher:
             return self.dead
 
         with self.lock:
+            if self.epoch != epoch:  # rebased meanwhile: the next poll reads again
+                return self.dead
             self.dead = dead = self.dead | frozenset(found)
             self.changed_at = time.monotonic()
             for key, (box, comm) in list(self.waiting.items()):
@@ -226,7 +231,8 @@ class Watcher:
         that rank). A process spawned into the world lives in another ``MPI_COMM_WORLD``
         than its parents: neither their :class:`LocalProcesses` nor the launcher's list of
         dead processes (one job's) covers it, nor, for the newcomer, its parents."""
-        self.grown = LocalProcesses(peers, me, len(peers))
+        # (a peer that died between its report and now is dead: it reported in the grow)
+        self.grown = LocalProcesses(peers, me, len(peers), gone_is_dead=True)
 
     def wait_change(self, known: frozenset, timeout: float) -> frozenset:
         """Block up to ``timeout`` s until the dead set is not ``known`` any more."""

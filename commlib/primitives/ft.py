@@ -287,6 +287,12 @@ def grow(comm: Communicator, n: int, command: str | None = None,
                     command or sys.executable, list(sys.argv if args is None else args),
                     int(n), mpi_info, 0)
                 break
+            except fault_tolerance.CallTimedOut as exc:
+                known = backend().impl.respawn_bug
+                if known and fault_tolerance.watcher().epoch:  # (a spawn came before)
+                    raise CommError(f"{exc}; a known bug of {backend().impl.describe()}: "
+                                    f"{known}") from None
+                raise
             except MPI.Exception as exc:
                 # hydra refuses a spawn now and then right after a death ("Error in spawn
                 # call", 2 of 8 benchmark runs); MPICH tells every member (the root's

@@ -53,6 +53,9 @@ class Implementation:
     #: Why ``MPI_Comm_spawn`` cannot be used (replacements in fault-tolerant mode:
     #: ``group.grow``, ``commlib.elastic.run(replace=True)``), "" where it can.
     spawn_refusal: str = ""
+    #: What is known to go wrong with a second ``MPI_Comm_spawn`` once a spawned process
+    #: died ("" where nothing is): named in the error of a spawn that times out.
+    respawn_bug: str = ""
     #: The MPI_T control variable (an MCA parameter) that is true in a job launched with
     #: :attr:`keep_running_args` ("" where the library does not say): fault-tolerant mode
     #: checks it at ``init``.
