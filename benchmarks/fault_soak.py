@@ -29,6 +29,13 @@ running; an outer timeout, the whole job killed past it), one fault per job:
   spares; trainer 2 killed at step 12, then survivor 1 SIGKILLs itself while spare 3 joins
   (the merged group built, rank 0 sending the state: ``test_a_survivor_dies_while_a_spare_
   joins[1]``); trainers 0, 3 and 4 must finish, exact as above.
+* ``replace-replacement``, ``replace-joining``, ``replace-survivor-sending``: 3 ranks,
+  ``run(replace=True)``, no spare: rank 2 SIGKILLed mid-backward of step 12 and a
+  replacement spawned on its host; then that replacement SIGKILLed mid-backward of step 20,
+  or at its joining (the grown world built, before the state: ``assembled``), or survivor 1
+  about to send it the state (``test_elastic_spares.py``); another replacement is spawned.
+  Passed: three ranks finish, exact against the 3-rank run without failure, as above
+  (``gradient_allreduce`` only).
 
 Algorithms (``--algorithms``): ``gradient_allreduce`` and the relaxed ones ``commlib.elastic``
 supports (``decentralized``, ``local_sgd``, ``diloco``, ``streaming_diloco``, ``powersgd``,
@@ -92,6 +99,20 @@ KINDS = {
     "spare-joining-survivor": dict(n=5, spares=2, fault="kill", victim=2,
                                    extra=["--join-victim", "1", "--join-death", "sending"],
                                    trainers=[0, 3, 4]),
+    # replace=True, no spare (test_elastic_spares.py): trainer 2 killed at step 12, a
+    # replacement spawned on its host; then that replacement SIGKILLed mid-backward of
+    # step 20, or at its joining (the grown world built, before the state), or survivor 1
+    # about to send it the state; a second replacement is spawned: back at 3
+    "replace-replacement": dict(n=3, spares=0, fault="kill", victim=2, replace=True,
+                                extra=["--replace", "--replacement-dies-at", "20"],
+                                trainers=[0, 1, 2]),
+    "replace-joining": dict(n=3, spares=0, fault="kill", victim=2, replace=True,
+                            extra=["--replace", "--replacement-join-death", "assembled"],
+                            trainers=[0, 1, 2]),
+    "replace-survivor-sending": dict(n=3, spares=0, fault="kill", victim=2, replace=True,
+                                     extra=["--replace", "--join-victim", "1",
+                                            "--join-death", "sending"],
+                                     trainers=[0, 1, 2]),
 }
 ALGORITHMS = ["gradient_allreduce", "decentralized", "local_sgd", "diloco",
               "streaming_diloco", "powersgd", "low_precision_decentralized", "qadam",
@@ -121,7 +142,7 @@ class Soak:
         self.references: dict[tuple, dict[int, dict]] = {}
         self.last_job = 0.0
 
-    def job(self, n: int, argv: list[str], keep_running: bool = True):
+    def job(self, n: int, argv: list[str], keep_running: bool = True, **env: str):
         """One job under the lock, ``--gap`` seconds after the last one ended."""
         from elastic_common import run_job
         wait = self.args.gap - (time.monotonic() - self.last_job)
@@ -132,7 +153,7 @@ class Soak:
             status, seconds, text, left = run_job(
                 n, [os.path.join(ROOT, "tests", "elastic_train_program.py")] + argv,
                 OUTER_S, keep_running=keep_running, COMMLIB_TIMEOUT="60",
-                PYTHONFAULTHANDLER="1")
+                PYTHONFAULTHANDLER="1", **env)
         self.last_job = time.monotonic()
         return status, seconds, text, left, load
 
@@ -155,7 +176,7 @@ class Soak:
         return self.references[key]
 
     def run(self, kind: str, algorithm: str) -> dict:
-        from elastic_common import leftover_shm, results
+        from elastic_common import leftover_shm, rank_hosts, results
         from helpers import mpi_impl
         spec = KINDS[kind]
         n, spares, fault, victim = spec["n"], spec["spares"], spec["fault"], spec["victim"]
@@ -167,7 +188,8 @@ class Soak:
                 status, seconds, text, left, load = self.job(
                     n, [out, "--steps", str(STEPS), "--algorithm", algorithm, "--fault",
                         fault, "--victims", str(victim), "--at", str(at), "--spares",
-                        str(spares), *spec.get("extra", []), *self.args.program_args.split()])
+                        str(spares), *spec.get("extra", []), *self.args.program_args.split()],
+                    **({"ELASTIC_HOSTS": rank_hosts(n)} if spec.get("replace") else {}))
             finally:
                 os.chdir(here)
             cores = keep_cores(out, self.args.cores, f"{kind}-{algorithm}")
@@ -206,7 +228,7 @@ class Soak:
             first = found[trainers[0]]
             record["agreed"] = first["recoveries"][0]["step"] if first["recoveries"] else None
             try:
-                why += self.compare(found, spares, algorithm, n)
+                why += self.compare(found, spares or bool(spec.get("replace")), algorithm, n)
             except RuntimeError as exc:
                 why.append(str(exc))
             if killed is not None:
@@ -225,7 +247,7 @@ class Soak:
         import numpy as np
 
         from elastic_common import params, reference_args
-        if spares:  # back at n - spares trainers: the run without failure
+        if spares:  # back at n - spares trainers (or n: replaced): the run without failure
             ref = self.reference(algorithm, "", "", len(found))
             pairs = [(rank, ref[0]) for rank in found]
         else:
@@ -274,7 +296,8 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str]]:
         for kind in args.kinds.split(","):
             if kind not in KINDS:
                 raise SystemExit(f"unknown kind {kind!r} (known: {', '.join(KINDS)})")
-            if KINDS[kind]["spares"] and algorithm != "gradient_allreduce":
+            if ((KINDS[kind]["spares"] or KINDS[kind].get("replace"))
+                    and algorithm != "gradient_allreduce"):
                 continue
             out.append((kind, algorithm))
     return out
