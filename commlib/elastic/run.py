@@ -55,7 +55,12 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
     ``spawn_info``: the ``MPI_Info`` of the spawn, or a function of the dead world ranks
     returning it, e.g. to place them on the dead ranks' hosts) and send them the state by
     broadcast; in a spawned process ``run`` first receives that state, then calls
-    ``train_fn`` with the others. With spares: only once no spare is left.
+    ``train_fn`` with the others. With spares: only once no spare is left. A death while a
+    replacement joins (its own, or a survivor's) is a failure like any other: a
+    replacement without the state yet recovers with the survivors as a member without
+    state and receives the agreed commit, and the living spawn again. A spawned process
+    is watched by process id on its machine only (``failure_detection.Watcher.
+    watch_grown``): the death of one spawned on another machine is not detected.
     """
     if train_fn is None:
         return functools.partial(run, min_ranks=min_ranks, replace=replace,
