@@ -271,13 +271,14 @@ def test_a_death_after_a_replacement_joined(tmp_path, reference, second):
             assert json.load(f)["step"] == 16
 
 
-@pytest.mark.parametrize("point", ["replacement-assembled", "replacement-received",
-                                   "survivor-sending"])
+# (a replacement dying once it took the state is test_a_death_after_a_replacement_joined's
+# case but earlier: measured passing on MPICH, left out of CI for time)
+@pytest.mark.parametrize("point", ["replacement-assembled", "survivor-sending"])
 def test_a_death_while_a_replacement_joins(tmp_path, reference, point):
     """3 trainers with ``replace=True`` and no spare: trainer 2 SIGKILLed at step 8, a
     replacement is spawned; then a second SIGKILL during its joining: of the replacement
-    itself, once the grown world is built (before the state is sent: ``assembled``) or once
-    it took the state (``received``), or of survivor 1 about to send the state
+    itself, once the grown world is built (before the state is sent: ``assembled``), or of
+    survivor 1 about to send the state
     (``survivor-sending``: the replacement, without state, then recovers with rank 0 and
     takes the agreed commit as a member without state). Every time the living recover,
     spawn a replacement again and end back at 3, exact (every step applied by 3 ranks)."""
