@@ -18,7 +18,10 @@ last ranks):
 ``sysexit``      the last rank calls ``sys.exit(0)`` at iteration 20 (an ordinary exit)
 ``stuck``        the last rank is killed at iteration 20; every survivor's first attempt
                  at their communicator never returns (as once on Open MPI under load):
-                 they give it up after ``create_limit()`` and build it again
+                 they give it up after ``create_limit()`` and build it again; then they
+                 duplicate it, and under ULFM (built by name, not by MPI's allocator)
+                 survivor 0's first attempt at the duplicate never returns (the others'
+                 wait in MPI for it): all give it up and build it again
 
 Every rank writes ``OUTDIR/shm{r}.json`` (the shared-memory segments it maps) after ``init``; each
 rank that finishes writes ``OUTDIR/rank{r}.json``: its iterations, the groups it went
@@ -35,6 +38,7 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 parser = argparse.ArgumentParser()
 parser.add_argument("outdir")
@@ -119,6 +123,8 @@ if args.case == "stuck" and plan is None:
         creations.append(a[-1])
         if len(creations) == 1:
             threading.Event().wait()
+        if world_rank == 0 and "/dup#" in a[-1] and "~" not in a[-1]:
+            threading.Event().wait()  # (ULFM) survivor 0's first attempt at the Dup
         return real_create(*a)
 
     ft_backend.backend().create = stuck_create
@@ -163,6 +169,14 @@ while it < args.iters:
                        "values": {str(k): v for k, v in d.values.items()}, "min": d.min,
                        "max": d.max})
         it = d.min  # redo the iteration some did not finish (idempotent here)
+        if args.case == "stuck":
+            start = time.monotonic()
+            dup = group.comm.dup("stuck-dup").mpi
+            z = np.full(4, float(group.rank + 1))
+            dup.Allreduce(MPI.IN_PLACE, z)
+            if not np.all(z == sum(range(1, group.size + 1))):
+                raise AssertionError(f"rank {world_rank}: the duplicate's allreduce gave {z}")
+            groups[-1]["dup_s"] = time.monotonic() - start
         if commlib.get_world_size() != group.size or commlib.get_rank() != group.rank:
             raise AssertionError("the world did not shrink with the group")
 

@@ -83,7 +83,13 @@ from .failure_detection import (  # noqa: F401
     watcher,
 )
 from .ft_backend import backend as _backend
-from .helper_thread import CallTimedOut, _own_handles, in_thread  # noqa: F401
+from .helper_thread import (  # noqa: F401
+    CREATE_ATTEMPTS,
+    CallTimedOut,
+    _own_handles,
+    create_limit,
+    in_thread,
+)
 from .waits import (  # noqa: F401
     ABANDONED,
     COUNTS,
@@ -143,24 +149,61 @@ class FTComm(_FTCommBase):
         return self
 
     # -- communicator creation ----------------------------------------------------------
-    def _create(self, group: Any, what: tuple[Any, ...]) -> FTComm:
+    def _create(self, group: Any, what: tuple[Any, ...], agree: bool = False) -> Any:
         """The communicator of ``group`` (of this one), built by its members with the
         backend's :meth:`~commlib.fault.ft_backend.Backend.create` under a name derived
         from this one's :attr:`key` and ``what`` (the call, the same on every member), on
-        a helper thread (:func:`in_thread`); only where :attr:`key` is set."""
+        a helper thread (:func:`in_thread`); only where :attr:`key` is set.
+
+        An attempt that neither ends nor fails within :func:`create_limit` is given up and
+        the members build it again under a new name (Open MPI 5, once in 50 soak runs
+        under load: every member's ``MPI_Comm_create_from_group`` of a merged world's first
+        ``Dup`` hung with every member alive); after :data:`CREATE_ATTEMPTS` attempts it
+        raises :class:`CallTimedOut`. ``agree`` (every member of this communicator takes
+        part in the call: ``Dup``, ``Split``): after each attempt the members tell each
+        other whether they have it, and all build it again unless all have it (a member
+        whose attempt ended just after another's gave up; ``group`` None: a rank of
+        ``Split`` in no group, which takes part in that agreement only and gets
+        ``MPI.COMM_NULL``)."""
         b = _backend()
         n = self._derived.get(what, 0)
         self._derived[what] = n + 1  # (members call creations in the same order)
-        key = f"{self.key}/{'/'.join(map(str, what))}#{n}"
-        new = in_thread(self, b.create_op, b.create, self, group, 0, key)
-        return adopt(new, self.known_dead, self.name, key)
+        base = f"{self.key}/{'/'.join(map(str, what))}#{n}"
+        for attempt in range(CREATE_ATTEMPTS):
+            key = base if attempt == 0 else f"{base}~{attempt}"
+            new, timed_out = None, None
+            if group is None:  # (Split's ranks in no group: they only agree)
+                new = MPI.COMM_NULL
+            else:
+                try:
+                    new = in_thread(self, b.create_op, b.create, self, group, attempt, key,
+                                    limit_s=create_limit())
+                except CallTimedOut as exc:
+                    timed_out = exc
+            if agree and not all(self.allgather(new is not None)):
+                if new is not None and new != MPI.COMM_NULL:  # (never used: kept)
+                    ABANDONED.append(new)
+                new = None
+            if new is not None:
+                return new if new == MPI.COMM_NULL else adopt(new, self.known_dead,
+                                                              self.name, key)
+            if attempt == CREATE_ATTEMPTS - 1:
+                raise timed_out or CallTimedOut(
+                    f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {b.create_op} of "
+                    f"{self.name or 'a communicator'} ({what[0]}) was not built on every "
+                    f"member in {CREATE_ATTEMPTS} attempts of {create_limit():g} s")
+            print(f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {b.create_op} "
+                  f"({what[0]}) did not complete on every member within "
+                  f"{create_limit():g} s with no peer dead; building it again under a new "
+                  f"name (attempt {attempt + 2} of {CREATE_ATTEMPTS})", flush=True)
+        raise AssertionError("unreachable")
 
     def Dup(self, info: Any = None) -> FTComm:
         self.check("Comm_idup")
         if self.key is not None:  # (Open MPI after a failure: not through its allocator)
             group = self.Get_group()
             try:
-                return self._create(group, ("dup",))
+                return self._create(group, ("dup",), agree=True)
             finally:
                 group.Free()
         new, req = _start(self, "Comm_idup", MPI.Intracomm.Idup,
@@ -172,10 +215,15 @@ class FTComm(_FTCommBase):
         pairs = self.allgather((int(color), int(key)))
         self._creations += 1
         if color == MPI.UNDEFINED:
+            if self.key is not None:  # (see Dup: every rank agrees on each attempt)
+                return self._create(None, ("none", self._creations), agree=True)
             return MPI.COMM_NULL
         members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
         group = self.Get_group().Incl([r for _, r in members])
         try:
+            if self.key is not None:  # (see Dup; every member takes part: agree)
+                return self._create(group, ("group", self._creations,
+                                            tuple(self._world_of(group))), agree=True)
             return self.Create_group(group, tag=self._creations)
         finally:
             group.Free()
@@ -196,12 +244,15 @@ class FTComm(_FTCommBase):
 
     def Create_group(self, group: Any, tag: int = 0) -> FTComm:
         if self.key is not None:  # (see Dup)
-            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                              self.watcher.base)
-            return self._create(group, ("group", tag, tuple(ranks)))
+            return self._create(group, ("group", tag, tuple(self._world_of(group))))
         new = in_thread(self, "Comm_create_group", MPI.Intracomm.Create_group, self, group,
                         tag)
         return adopt(new, self.known_dead, self.name)
+
+    def _world_of(self, group: Any) -> list[int]:
+        """The base ranks of ``group``'s members."""
+        return MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                         self.watcher.base)
 
     def Free(self) -> None:
         if self.failed:  # pending operations may still use it: keep it

@@ -18,6 +18,19 @@ from .failure_detection import POLL_S
 from .ft_backend import backend as _backend
 from .waits import ABANDONED, _FTCommBase, failure
 
+#: Attempts at a communicator creation that each time out (:func:`create_limit`) before the
+#: creator raises (the survivors' :func:`commlib.primitives.ft.shrink`, and a creation
+#: derived from a communicator made after a failure under ULFM:
+#: :meth:`commlib.fault.fault_tolerance.FTComm.Dup`).
+CREATE_ATTEMPTS = 3
+
+
+def create_limit() -> float:
+    """Seconds one attempt at a communicator's creation may take: a quarter of
+    ``COMMLIB_TIMEOUT``, at least 10 and at most 60 (a creation takes milliseconds; every
+    member starts it within a round trip of the others)."""
+    return min(float(options.timeout), max(10.0, min(60.0, float(options.timeout) / 4)))
+
 
 class CallTimedOut(CommError):
     """A blocking MPI call on a helper thread (:func:`in_thread`) neither ended nor failed

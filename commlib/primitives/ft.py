@@ -26,12 +26,10 @@ from ..core.communicator import Communicator
 from ..fault import failure_detection, fault_tolerance
 from ..fault.agreement import Agreement, Decision
 from ..fault.ft_backend import backend
+from ..fault.helper_thread import CREATE_ATTEMPTS, create_limit  # noqa: F401 - API
 
 #: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
 CREATE_TAG_BASE = 1000
-#: Survivors' communicator creations that time out (:func:`create_limit`) before
-#: :func:`shrink` raises.
-CREATE_ATTEMPTS = 3
 #: Tries of ``MPI_Comm_spawn`` in :func:`grow` before it raises.
 SPAWN_ATTEMPTS = 3
 #: Seconds :func:`grow` lets pass after the last death it knows before it spawns. Under
@@ -87,13 +85,6 @@ def agreement() -> Agreement:
         runtime.world()
         _start()
     return _agreement
-
-
-def create_limit() -> float:
-    """Seconds one attempt at the survivors' communicator may take: a quarter of
-    ``COMMLIB_TIMEOUT``, at least 10 and at most 60 (a creation takes milliseconds; every
-    survivor starts it within the agreement's round trip)."""
-    return min(float(options.timeout), max(10.0, min(60.0, float(options.timeout) / 4)))
 
 
 def _dead_or_left() -> frozenset[int]:
