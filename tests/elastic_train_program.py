@@ -108,6 +108,10 @@ parser.add_argument("--replacement-join-death", default="",
                     help="the first replacement spawned by --replace SIGKILLs itself at "
                          "this point of its joining: assembled (the grown world built), "
                          "received (the state taken)")
+parser.add_argument("--other-machines", action="store_true",
+                    help="after init each process reports a boot id of its own: the "
+                         "processes of a grown world look as if on other machines to "
+                         "each other (watched by connection, commlib.fault.peer_sockets)")
 parser.add_argument("--join-death", default="",
                     help="the point of the joining (commlib.elastic.spares._JOIN_HOOK): "
                          "called, assembled, receiving, received")
@@ -135,6 +139,18 @@ commlib.init(fault_tolerant=FT)
 me = commlib.get_rank()
 n0 = commlib.get_world_size()
 from commlib.primitives import ft as _ft  # noqa: E402
+
+remote_watches: list[list[int]] = []  # (--other-machines) the ranks watched by connection
+if args.other_machines:
+    from commlib.fault import failure_detection as _fd
+    _fd.boot_id = lambda: f"other-machine-{os.getpid()}"
+    _watch_grown = _fd.Watcher.watch_grown
+
+    def _recording_watch_grown(self, *a, **kw):
+        _watch_grown(self, *a, **kw)
+        remote_watches.append(sorted(self.remote.watched) if self.remote else [])
+
+    _fd.Watcher.watch_grown = _recording_watch_grown
 
 # a replacement spawned by run(replace=True) has a rank of the grown world, which a living
 # rank may have too: its segments under a name of its own (its results: see name_spawned)
@@ -242,7 +258,8 @@ class Training:
                                        for k, v in r.items()} for r in st.recoveries],
                        "params": params.numpy().tobytes().hex(), "times": self.times,
                        "size": st.group.size, "world": n0, "ring": self.ring,
-                       "lr": self.optimizer.param_groups[0]["lr"]}, f)
+                       "lr": self.optimizer.param_groups[0]["lr"],
+                       "remote_watches": remote_watches}, f)
 
 
 run = Training(args.algorithm, args.scale_lr)

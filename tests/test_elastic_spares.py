@@ -236,7 +236,7 @@ def test_a_replacement_is_spawned_once_the_spares_are_used_up(tmp_path, referenc
         assert len(grown) == 1 and grown[0]["size"] == 3, found[rank]["recoveries"]
 
 
-@pytest.mark.parametrize("second", ["replacement", "survivor"])
+@pytest.mark.parametrize("second", ["replacement", "survivor", "replacement-remote"])
 def test_a_death_after_a_replacement_joined(tmp_path, reference, second):
     """3 trainers with ``replace=True`` and no spare: trainer 2 SIGKILLed at step 8, a
     replacement is spawned on its host and takes the state; at step 16 a second SIGKILL
@@ -246,15 +246,26 @@ def test_a_death_after_a_replacement_joined(tmp_path, reference, second):
     their own world's processes covers, nor the replacement's of theirs: the living must
     still see the death, recover, spawn another replacement and end back at 3, exact (every
     step applied by 3 ranks). Both hung until the watchdog (60 s) before the grown world's
-    processes were watched (``failure_detection.Watcher.watch_grown``)."""
+    processes were watched (``failure_detection.Watcher.watch_grown``).
+
+    ``replacement-remote``: the replacement's case with every process reporting a boot id
+    of its own after ``init`` (``--other-machines``), so that the replacement and its
+    parents look as if on other machines to each other: they watch each other by a TCP
+    connection each (:mod:`commlib.fault.peer_sockets`), not by process id."""
     refusal = mpi_impl().spawn_refusal
     if refusal:
         pytest.skip(f"replacements refused: {refusal}")
-    victims, extra = (("2", ["--replacement-dies-at", "16"]) if second == "replacement"
-                      else ("2,0", []))
+    victims, extra = (("2,0", []) if second == "survivor"
+                      else ("2", ["--replacement-dies-at", "16"]))
+    if second == "replacement-remote":
+        extra.append("--other-machines")
     status, out, found = job(tmp_path, 3, "--fault", "kill", "--victims", victims, "--at",
                              "8,16", "--replace", *extra, ELASTIC_HOSTS=rank_hosts(3))
     check(found, [0, 1, 2], reference, status, out)
+    if second == "replacement-remote":  # rank 1, a parent throughout, watched each
+        # replacement (rank 2 of each grown world) by connection, and only it
+        assert found[1]["remote_watches"] == [[2], [2]], found[1]["remote_watches"]
+    second = second.removesuffix("-remote")
 
     def seen(r: dict) -> tuple[list, int]:  # (failed world ranks, grown) per recovery
         return ([x["failed"] for x in r["recoveries"] if "failed" in x],

@@ -96,6 +96,7 @@ def test_a_poll_across_a_rebase_is_dropped():
     w.changed = threading.Condition(w.lock)
     w.dead, w.waiting, w.listeners = frozenset(), {}, []
     w.launcher, w.det_map, w.grown, w.epoch, w.raw_dead, w.polls = None, None, None, 0, set(), 0
+    w.remote = None
 
     def source():  # the old world's rank 2 is dead (identity map: no rebase yet)
         return [2]

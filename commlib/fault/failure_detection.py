@@ -148,6 +148,8 @@ class Watcher:
         self.raw_dead: set[int] = set()  # as the detectors report them
         # the grown world's peers on this machine, watched in its ranks (see watch_grown)
         self.grown: LocalProcesses | None = None
+        # and on other machines, by a connection each (see watch_grown)
+        self.remote: Any = None
         self.changed_at = 0.0  # time.monotonic() of the last death seen
         self._thread = threading.Thread(target=self._run, name="commlib-ft", daemon=True)
         self._thread.start()
@@ -175,9 +177,11 @@ class Watcher:
                 pass
         self.raw_dead |= found
         found = self.to_base(found)
-        grown = self.grown
+        grown, remote = self.grown, self.remote
         if grown is not None:
             found.update(grown())
+        if remote is not None:
+            found.update(remote())
         self.polls += 1
         if found <= self.dead:
             return self.dead
@@ -218,6 +222,9 @@ class Watcher:
             self.det_map = {r: t for r, t in enumerate(there) if t != MPI.UNDEFINED}
             self.base = group
             self.grown = None  # (in the old world's ranks: watch_grown sets the new one)
+            if self.remote is not None:
+                self.remote.close()
+            self.remote = None
             self.epoch += 1
             self.dead = frozenset(r for r in self.dead if r < 0) | {-self.epoch}
             for key, (box, _) in list(self.waiting.items()):
@@ -225,14 +232,29 @@ class Watcher:
                 box.event.set()
             self.changed.notify_all()
 
-    def watch_grown(self, peers: dict[int, tuple[str, str, int, int]], me: int) -> None:
-        """After :meth:`rebase`: watch the processes of the grown world on this machine by
-        their process ids (``peers``: rank of the grown world -> :func:`this_process` of
-        that rank). A process spawned into the world lives in another ``MPI_COMM_WORLD``
-        than its parents: neither their :class:`LocalProcesses` nor the launcher's list of
-        dead processes (one job's) covers it, nor, for the newcomer, its parents."""
+    def watch_grown(self, peers: dict[int, tuple[str, str, int, int]], me: int,
+                    ports: dict[int, Any] | None = None) -> None:
+        """After :meth:`rebase`: watch the processes of the grown world that are in
+        another ``MPI_COMM_WORLD`` than this process's: on this machine by their process
+        ids (``peers``: rank of the grown world -> :func:`this_process` of that rank), on
+        another machine by a TCP connection to each one's watch port (``ports``: rank ->
+        :meth:`commlib.fault.peer_sockets.Listener.address`;
+        :class:`~commlib.fault.peer_sockets.RemotePeers`). A process spawned into the
+        world lives in another ``MPI_COMM_WORLD`` than its parents: neither their
+        :class:`LocalProcesses` nor the launcher's list of dead processes (one job's)
+        covers it, nor, for the newcomer, its parents; the peers of this process's own
+        ``MPI_COMM_WORLD`` stay covered by the launcher's list."""
         # (a peer that died between its report and now is dead: it reported in the grow)
-        self.grown = LocalProcesses(peers, me, len(peers), gone_is_dead=True)
+        local = LocalProcesses(peers, me, len(peers), gone_is_dead=True)
+        remote = None
+        if ports:
+            mine = set((self.det_map or {}).values())
+            far = {r: ports[r] for r in peers
+                   if r != me and r not in local.watched and r not in mine and r in ports}
+            if far:
+                from .peer_sockets import RemotePeers
+                remote = RemotePeers(far, me)
+        self.grown, self.remote = local, remote
 
     def wait_change(self, known: frozenset, timeout: float) -> frozenset:
         """Block up to ``timeout`` s until the dead set is not ``known`` any more."""

@@ -23,7 +23,7 @@ from ..base.errors import CommError, PeerFailure, where
 from ..base.options import options
 from ..core import exits, runtime
 from ..core.communicator import Communicator
-from ..fault import failure_detection, fault_tolerance
+from ..fault import failure_detection, fault_tolerance, peer_sockets
 from ..fault.agreement import Agreement, Decision
 from ..fault.ft_backend import backend
 from ..fault.helper_thread import CREATE_ATTEMPTS, create_limit  # noqa: F401 - API
@@ -316,9 +316,12 @@ def _adopt_world(merged: Any, old: Communicator) -> Communicator:
     # The newcomers' processes (and, for them, their parents') are in no MPI_COMM_WORLD
     # that this process's failure detection covers: watch them by process id (a death in
     # this exchange: the old world's are seen, a newcomer's is caught by its time limit).
-    procs = fault_tolerance.in_thread(ftcomm, "Allgather", merged.allgather,
-                                      failure_detection.this_process())
-    watcher.watch_grown(dict(enumerate(procs)), merged.Get_rank())
+    # (and on other machines by a TCP connection to each one's watch port)
+    reports = fault_tolerance.in_thread(ftcomm, "Allgather", merged.allgather,
+                                        (failure_detection.this_process(),
+                                         peer_sockets.listener().address()))
+    watcher.watch_grown({r: p for r, (p, _) in enumerate(reports)}, merged.Get_rank(),
+                        {r: a for r, (_, a) in enumerate(reports)})
     new = Communicator(ftcomm, old.watchdog, name, tuple(range(size)))
     runtime._world = new
     return new
