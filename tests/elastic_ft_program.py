@@ -177,6 +177,17 @@ while it < args.iters:
             if not np.all(z == sum(range(1, group.size + 1))):
                 raise AssertionError(f"rank {world_rank}: the duplicate's allreduce gave {z}")
             groups[-1]["dup_s"] = time.monotonic() - start
+            # and a split of it that leaves survivor 0 out (under ULFM by name too: the
+            # rank in no group takes part in the members' agreement only)
+            sub = group.comm.split(group.rank != 0, group.rank, "stuck-split")
+            if (sub is None) != (group.rank == 0):
+                raise AssertionError(f"rank {world_rank}: split gave {sub}")
+            if sub is not None:
+                z = np.full(4, float(sub.rank + 1))
+                sub.mpi.Allreduce(MPI.IN_PLACE, z)
+                if sub.size != group.size - 1 or not np.all(z == sum(range(1, sub.size + 1))):
+                    raise AssertionError(f"rank {world_rank}: the split's allreduce gave {z}")
+            groups[-1]["split"] = sub is not None
         if commlib.get_world_size() != group.size or commlib.get_rank() != group.rank:
             raise AssertionError("the world did not shrink with the group")
 

@@ -89,10 +89,13 @@ def test_survivors_go_on(tmp_path, case):
     if case == "stuck":  # the first creation was given up, the second built the group;
         # under ULFM the duplicate of the group is built by name too: its first attempt,
         # stuck on survivor 0, was given up by all and the second built it
-        derived = 2 if ft_backend.backend().derive_by_create else 0
+        # (two attempts), and the split's members build theirs by name (one attempt)
+        ulfm = ft_backend.backend().derive_by_create
         assert {r: found[r]["creations"] for r in found} == \
-            {r: 2 + derived for r in (0, 1, 2)}, found
+            {r: 2 + (2 + (r != 0) if ulfm else 0) for r in (0, 1, 2)}, found
         assert all(found[r]["groups"][1]["dup_s"] > 0 for r in found), found
+        assert {r: found[r]["groups"][1]["split"] for r in found} == \
+            {0: False, 1: True, 2: True}, found
 
 
 # How the kill ends a job without fault tolerance, per implementation (measured). The plain
