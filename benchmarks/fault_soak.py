@@ -206,6 +206,9 @@ class Soak:
                   "finished": sorted(found), "left": left, "shm": shm, "cores": cores,
                   "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
                       timespec="seconds")}
+        # communicator creations given up after create_limit() and built again (a hang
+        # inside the MPI library with every member alive; counted per rank that printed it)
+        record["creation_retries"] = text.count("building it again under a new name")
         why = []
         if status == -9:
             why.append(f"hang: killed after {OUTER_S} s")
