@@ -170,23 +170,23 @@ class FTComm(_FTCommBase):
         n = self._derived.get(what, 0)
         self._derived[what] = n + 1  # (members call creations in the same order)
         base = f"{self.key}/{'/'.join(map(str, what))}#{n}"
+        me = MPI.COMM_WORLD.Get_rank()
         for attempt in range(CREATE_ATTEMPTS):
             key = base if attempt == 0 else f"{base}~{attempt}"
-            new, timed_out = None, None
+            new, why = None, "was not built on every member"
             if group is None:  # (Split's ranks in no group: they only agree)
                 new = MPI.COMM_NULL
             else:
                 try:
                     new = in_thread(self, b.create_op, b.create, self, group, attempt, key,
                                     limit_s=create_limit())
-                except CallTimedOut as exc:
-                    timed_out = exc
+                except CallTimedOut:
+                    why = (f"did not complete within {create_limit():g} s with no peer "
+                           f"dead")
                 except MPI.Exception as exc:  # (not a failure: PeerFailure passes)
                     # Open MPI 5, once in 20 soak runs: MPI_ERR_UNSUPPORTED_OPERATION from
                     # a merged group's first Dup after a death during a spare's joining
-                    timed_out = CallTimedOut(
-                        f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {b.create_op} "
-                        f"failed: {exc}")
+                    why = f"failed here ({exc})"
             if agree and not all(self.allgather(new is not None)):
                 if new is not None and new != MPI.COMM_NULL:  # (never used: kept)
                     ABANDONED.append(new)
@@ -195,17 +195,12 @@ class FTComm(_FTCommBase):
                 return new if new == MPI.COMM_NULL else adopt(new, self.known_dead,
                                                               self.name, key)
             if attempt == CREATE_ATTEMPTS - 1:
-                raise timed_out or CallTimedOut(
-                    f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {b.create_op} of "
-                    f"{self.name or 'a communicator'} ({what[0]}) was not built on every "
-                    f"member in {CREATE_ATTEMPTS} attempts of {create_limit():g} s")
-            why = (f"failed here ({str(timed_out).rsplit(': ', 1)[-1]})"
-                   if timed_out is not None and "failed:" in str(timed_out) else
-                   f"did not complete on every member within {create_limit():g} s with "
-                   f"no peer dead")
-            print(f"commlib (rank {MPI.COMM_WORLD.Get_rank()}): MPI {b.create_op} "
-                  f"({what[0]}) {why}; building it again under a new name (attempt "
-                  f"{attempt + 2} of {CREATE_ATTEMPTS})", flush=True)
+                raise CallTimedOut(f"commlib (rank {me}): MPI {b.create_op} of "
+                                   f"{self.name or 'a communicator'} ({what[0]}) {why}, "
+                                   f"attempt {CREATE_ATTEMPTS} of {CREATE_ATTEMPTS}")
+            print(f"commlib (rank {me}): MPI {b.create_op} ({what[0]}) {why}; building it "
+                  f"again under a new name (attempt {attempt + 2} of {CREATE_ATTEMPTS})",
+                  flush=True)
         raise AssertionError("unreachable")
 
     def Dup(self, info: Any = None) -> FTComm:
