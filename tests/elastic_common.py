@@ -125,6 +125,44 @@ def _finish(proc: subprocess.Popen, tag: str, timeout: float,
     return code, seconds, out, left
 
 
+#: Open MPI 5's crash after a death (docs/guide/fault-tolerance.md, "not survived"): a
+#: process segfaults in Open MPI's progress engine, inside ``MPI_Comm_create_from_group``
+#: (its nonblocking collective schedule on the revoked communicator aborted just before:
+#: "NBC_Progress: an error 77"). Seen in about 1 of 15 jobs of a spare killed while standing
+#: by, with two busy loops loading the 2-core machine (2026-12-06), and in CI.
+OPENMPI_CREATE_CRASH = ("Signal: Segmentation fault", "ompi_comm_create_from_group")
+
+
+def known_library_crash(out: str) -> str | None:
+    """What :data:`OPENMPI_CREATE_CRASH` names, where a job's output ``out`` under Open MPI
+    shows it (every line of it); else None: any other crash is a failure."""
+    if mpi_impl().key == "openmpi" and all(s in out for s in OPENMPI_CREATE_CRASH):
+        return "Open MPI 5's segfault inside MPI_Comm_create_from_group after a death"
+    return None
+
+
+def run_job_past_known_crash(outdir: str, n: int, argv: list[str], timeout: float,
+                             **kwargs) -> tuple[int, float, str, list[int]]:
+    """:func:`run_job` with ``outdir`` (the job's results folder) as ``argv[1]``; a job
+    that shows :func:`known_library_crash` is run once more, its first run's files moved
+    to ``outdir/first-run`` (their segments must be gone all the same), and the second run
+    is the one judged (a warning names the crash)."""
+    import shutil
+    import warnings
+    status, seconds, out, left = run_job(n, [argv[0], outdir, *argv[1:]], timeout, **kwargs)
+    crash = known_library_crash(out)
+    if crash is None or left:
+        return status, seconds, out, left
+    first = os.path.join(outdir, "first-run")
+    os.makedirs(first)
+    for name in os.listdir(outdir):
+        if name != "first-run":
+            shutil.move(os.path.join(outdir, name), first)
+    assert not leftover_shm(first), f"left {leftover_shm(first)} in /dev/shm ({crash})"
+    warnings.warn(f"the job was run again: its first run showed {crash} (status {status})")
+    return run_job(n, [argv[0], outdir, *argv[1:]], timeout, **kwargs)
+
+
 def describe(pids: list[int]) -> str:
     """The command lines of ``pids`` (for the message of a job that hung)."""
     lines = []

@@ -50,7 +50,7 @@ rm -rf .ci-logs && mkdir -p .ci-logs
     fi
   done ) &
 installs=$!
-tests/run_runtime.sh || status=1
+RUN_LOG=.ci-logs/tests-first.log tests/run_runtime.sh || status=1
 echo "=== $(( SECONDS - start )) s so far"
 wait "$installs"
 for rt in $OTHER_MPIS; do
@@ -62,8 +62,18 @@ for rt in $OTHER_MPIS; do
   env -u VIRTUAL_ENV PATH="$PWD/$venv/bin:$PATH" EXPECT_MPI_IMPL="${EXPECT[$rt]}" \
     TEST_WORKERS="${WORKERS[$rt]}" \
     PHASES="serial 2 4" SERIAL_FILES="$(echo $RUNTIME_FILES ${EXTRA_FILES[$rt]-})" \
-    MPI_EXCLUDE="$(echo $MPICH_ONLY_MPI_FILES)" tests/run_runtime.sh || status=1
+    MPI_EXCLUDE="$(echo $MPICH_ONLY_MPI_FILES)" RUN_LOG=".ci-logs/tests-$rt.log" \
+    tests/run_runtime.sh || status=1
   echo "=== $(( SECONDS - start )) s so far"
+done
+# The failures again, each runtime's, at the end (a long output is often read by its tail):
+# pytest's failure and error reports (at most 150 lines a runtime) and its summary lines
+for log in .ci-logs/tests-*.log; do
+  [ -e "$log" ] && grep -qE '^(FAILED|ERROR) ' "$log" || continue
+  echo "=== failures in ${log#.ci-logs/tests-} (again; the whole report is above)"
+  awk '/^=+ (FAILURES|ERRORS) =+$/ {on=1} /^=+ (warnings summary|short test summary info|MPI Information|slowest [0-9]+ durations) =+$/ {on=0} on' \
+    "$log" | head -150
+  grep -E '^(FAILED|ERROR) ' "$log"
 done
 [ "$status" -eq 0 ] && echo "=== every runtime passed" || echo "=== FAILED on some runtime (see above)"
 exit "$status"

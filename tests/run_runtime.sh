@@ -32,6 +32,11 @@ t0=$SECONDS
 took() { echo "=== took $(( SECONDS - t0 )) s"; t0=$SECONDS; }
 shm_before="$(segments)"
 status=0
+# Every pytest run's output also goes to LOG (run_all.sh repeats the failures found there at
+# the end of its output, where a long output's tail keeps them)
+LOG="${RUN_LOG:-/dev/null}"
+[ "$LOG" = /dev/null ] || : > "$LOG"
+logged() { "$@" 2>&1 | tee -a "$LOG"; }
 echo "=== MPI runtime: $RUNTIME; phases: $PHASES"
 # The 1-rank phase is mostly jobs the tests launch (mpiexec, torchrun, srun), which wait as
 # much as they compute: two test files run at a time (pytest-xdist, whole files per worker;
@@ -45,13 +50,13 @@ fi
 read -r -a SERIAL <<< "${SERIAL_FILES:-tests}"
 if has serial; then
   echo "=== 1 rank: ${SERIAL[*]} but the fault matrix (${XDIST[*]:-one file at a time})"
-  timeout 1500 "${PYTEST[@]}" --with-mpi -m "not fault_matrix" ${XDIST[@]+"${XDIST[@]}"} \
-    "${SERIAL[@]}" || status=1
+  logged timeout 1500 "${PYTEST[@]}" --durations=12 --with-mpi -m "not fault_matrix" \
+    ${XDIST[@]+"${XDIST[@]}"} "${SERIAL[@]}" || status=1
   took
 fi
 if has fault_matrix; then
   echo "=== fault matrix (algorithm x fault x 2, 3 ranks)"
-  timeout 1500 "${PYTEST[@]}" -m fault_matrix tests || status=1
+  logged timeout 1500 "${PYTEST[@]}" -m fault_matrix tests || status=1
   took
 fi
 # Only the files that hold `mpi`-marked tests: every rank of every run collects what it is
@@ -67,7 +72,8 @@ for n in 2 3 4; do
   has "$n" || continue
   mapfile -t LAUNCH < <(python -m commlib.mpi.mpi_impl --launch "$n")
   echo "=== $n ranks: multi-rank tests (${#MPI_FILES[@]} files): mpiexec ${LAUNCH[*]}"
-  timeout 900 mpiexec "${LAUNCH[@]}" "${PYTEST[@]}" --only-mpi "${MPI_FILES[@]}" || status=1
+  logged timeout 900 mpiexec "${LAUNCH[@]}" "${PYTEST[@]}" --only-mpi "${MPI_FILES[@]}" \
+    || status=1
   took
 done
 left="$(comm -13 <(echo "$shm_before") <(segments) | tr '\n' ' ')"
