@@ -284,6 +284,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         figures(check, "bench_allreduce", ba + ["--sizes-mib", "1", "16", "64"], 120,
                 mpi_env, "compressed_allreduce")
+    # Issue 33's DDP targets, decided where cores are free (2 ranks of one thread each on a
+    # 16-core machine, the exchange on cores of its own; the development machine has 2):
+    # commlib DDP, compute only, torch DDP over gloo and over the commlib backend on the
+    # issue's MLP, then the shared-memory tier against raw MPI at 4 and 64 MiB. Last, and
+    # cut short by the budget: the GPU stages above come first.
+    pd = [*check.mpiexec(), PY, "benchmarks/profile_ddp.py", "--threads", "1"]
+    bc = [*check.mpiexec(), PY, "benchmarks/bench_collectives.py", "--shm", "--ops",
+          "allreduce", "--no-plot"]
+    if dry:
+        figures(check, "ddp_free_cores", pd + ["--layers", "64,64,10", "--batch", "8",
+                                                "--steps", "2", "--reps", "1"],
+                90, mpi_env, "ddp_free_cores")
+        figures(check, "shm_free_cores", bc + ["--sizes", "4K", "--reps", "1"], 60, mpi_env,
+                "shm_free_cores")
+    else:
+        figures(check, "ddp_free_cores", pd, 150, mpi_env, "ddp_free_cores")
+        figures(check, "shm_free_cores", bc + ["--sizes", "4M", "64M", "--reps", "5"], 90,
+                mpi_env, "shm_free_cores")
     check.report["elapsed_s"] = round(time.monotonic() - start, 1)
     check.save()
     s = check.report["summary"]

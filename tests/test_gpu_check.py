@@ -15,7 +15,7 @@ from helpers import clean_env, serial_only
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = {"environment", "kernels_gpu", "kernels_cudasim", "gpu_mpi", "bench_kernels",
-          "bench_allreduce"}
+          "bench_allreduce", "ddp_free_cores", "shm_free_cores"}
 
 
 def _gpu_check():
@@ -58,6 +58,13 @@ def test_dry_run_passes_and_reports_every_stage(tmp_path):
     assert all(kernels["matches_cpu"].values())
     allreduce = report["figures"]["compressed_allreduce"]["results"][0]["ops"]
     assert set(allreduce) == {"allreduce", "minmax_uint8", "sign1"}
+    # issue 33's figures where cores are free: every contender of the DDP step timed, the
+    # tier against raw MPI
+    ddp = report["figures"]["ddp_free_cores"]["step_ms"]
+    assert set(ddp) == {"compute only", "commlib", "torch DDP (gloo)",
+                        "torch DDP (commlib backend)"} and all(v > 0 for v in ddp.values()), ddp
+    shm = report["figures"]["shm_free_cores"]["results"]["allreduce"][0]
+    assert shm["check"] and shm["shm"]["median_us"] > 0 and shm["mpi4py"]["median_us"] > 0
     assert (tmp_path / "gpu_check.log").stat().st_size > 0
 
 
