@@ -306,12 +306,21 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out
 
 
-def past(until: str | None) -> bool:
+def deadline(until: str | None,
+             now: datetime.datetime | None = None) -> datetime.datetime | None:
+    """The first ``HH:MM`` (UTC) after ``now`` (default: the present): tomorrow's where
+    today's has passed, so that a soak started at 23:00 with ``--until 01:30`` runs past
+    midnight."""
     if not until:
-        return False
-    now = datetime.datetime.now(datetime.timezone.utc)
+        return None
+    now = now or datetime.datetime.now(datetime.timezone.utc)
     hh, mm = (int(x) for x in until.split(":"))
-    return (now.hour, now.minute) >= (hh, mm)
+    at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    return at if at > now else at + datetime.timedelta(days=1)
+
+
+def past(end: datetime.datetime | None) -> bool:
+    return end is not None and datetime.datetime.now(datetime.timezone.utc) >= end
 
 
 def soak(args: argparse.Namespace) -> int:
@@ -324,6 +333,7 @@ def soak(args: argparse.Namespace) -> int:
     print(f"MPI: {report['mpi']}", flush=True)
     todo = cases(args)
     s = Soak(args)
+    end = deadline(args.until)
 
     def count(case: tuple[str, str]) -> int:
         return sum((r["kind"], r["algorithm"]) == case for r in report["runs"])
@@ -333,7 +343,7 @@ def soak(args: argparse.Namespace) -> int:
         if not pending:
             break
         for case in pending:
-            if past(args.until):
+            if past(end):
                 print(f"stopped: past {args.until} UTC", flush=True)
                 return 0
             record = s.run(*case)
