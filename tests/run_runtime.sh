@@ -68,11 +68,20 @@ if [ -n "${MPI_EXCLUDE:-}" ]; then
   mapfile -t MPI_FILES < <(printf '%s\n' "${MPI_FILES[@]}" | grep -vxF -f <(tr ' ' '\n' <<< "$MPI_EXCLUDE" | sed '/^$/d'))
 fi
 [ "${#MPI_FILES[@]}" -gt 0 ] || { echo "=== no mpi-marked test files found"; exit 1; }
+# FILES_AT_4 (space-separated paths): at 4 ranks only these of the files above (run_all.sh:
+# on the other runtimes, the primitives, the shared-memory tier, the wait modes and the
+# front-ends' exchanges, oversubscribed; every file runs at 2 ranks)
+AT_4=("${MPI_FILES[@]}")
+if [ -n "${FILES_AT_4:-}" ]; then
+  mapfile -t AT_4 < <(printf '%s\n' "${MPI_FILES[@]}" | grep -xF -f <(tr ' ' '\n' <<< "$FILES_AT_4" | sed '/^$/d'))
+fi
 for n in 2 3 4; do
   has "$n" || continue
+  files=("${MPI_FILES[@]}")
+  [ "$n" = 4 ] && files=("${AT_4[@]}")
   mapfile -t LAUNCH < <(python -m commlib.mpi.mpi_impl --launch "$n")
-  echo "=== $n ranks: multi-rank tests (${#MPI_FILES[@]} files): mpiexec ${LAUNCH[*]}"
-  logged timeout 900 mpiexec "${LAUNCH[@]}" "${PYTEST[@]}" --only-mpi "${MPI_FILES[@]}" \
+  echo "=== $n ranks: multi-rank tests (${#files[@]} files): mpiexec ${LAUNCH[*]}"
+  logged timeout 900 mpiexec "${LAUNCH[@]}" "${PYTEST[@]}" --only-mpi "${files[@]}" \
     || status=1
   took
 done

@@ -173,7 +173,10 @@ def test_skipping_the_step_agreement_goes_wrong(tmp_path):
     status, _, out, left = ft_job(tmp_path, "--fault", "lag", "--victims", "2",
                                   "--skip-agreement", timeout="6", n=3)
     assert status != -9 and not left, (status, out[-2000:])
-    assert status == 70 and "did not complete within 6 s" in out, (status, out[-2000:])
+    # (the job's status is the watchdog's 70, or now and then on MPICH the victim's
+    # SIGKILL, 9, when hydra reports that rank's end first: seen once in CI; the watchdog
+    # must have ended it either way)
+    assert status in (70, 9) and "did not complete within 6 s" in out, (status, out[-2000:])
     for rank, r in results(str(tmp_path)).items():
         assert len(r["recoveries"]) > 1 and r["size"] == 1, (rank, r["recoveries"])
 
