@@ -158,6 +158,8 @@ def run_job_past_known_crash(outdir: str, n: int, argv: list[str], timeout: floa
     for name in os.listdir(outdir):
         if name != "first-run":
             shutil.move(os.path.join(outdir, name), first)
+    with open(os.path.join(first, "output.txt"), "w") as f:  # (whole, for a post-mortem)
+        f.write(out)
     assert not leftover_shm(first), f"left {leftover_shm(first)} in /dev/shm ({crash})"
     warnings.warn(f"the job was run again: its first run showed {crash} (status {status})")
     return run_job(n, [argv[0], outdir, *argv[1:]], timeout, **kwargs)

@@ -166,3 +166,37 @@ def test_only_the_known_open_mpi_crash_gets_a_second_run(monkeypatch):
             ("mpich", crash, False)]:
         monkeypatch.setattr(elastic_common, "mpi_impl", lambda k=key: types.SimpleNamespace(key=k))
         assert (elastic_common.known_library_crash(out) is not None) == named, (key, out)
+
+
+def test_the_second_run_replaces_the_first(tmp_path, monkeypatch):
+    """``run_job_past_known_crash``: after the known crash the first run's files (and its
+    whole output) move to ``first-run/``, the job runs once more in the same folder and
+    that run is returned; a run without the crash, or with another one, is returned as
+    it is (one run)."""
+    import contextlib
+    import types
+
+    import elastic_common
+    monkeypatch.setattr(elastic_common, "mpi_impl", lambda: types.SimpleNamespace(key="openmpi"))
+    crash = "Signal: Segmentation fault (11)\n[13] libmpi.so(ompi_comm_create_from_group+0x1)\n"
+    for outputs, runs in [([crash, "ok"], 2), (["ok"], 1),
+                          (["Signal: Segmentation fault (11)\n"], 1)]:
+        folder = tmp_path / f"case{runs}{len(outputs[0])}"
+        folder.mkdir()
+        calls = []
+
+        def fake(n, argv, timeout, outputs=outputs, calls=calls, **kwargs):
+            calls.append(argv)
+            (folder / f"rank{len(calls)}.json").write_text("{}")
+            return 0, 1.0, outputs[len(calls) - 1], []
+        monkeypatch.setattr(elastic_common, "run_job", fake)
+        with (pytest.warns(UserWarning, match="run again") if runs == 2
+              else contextlib.nullcontext()):
+            status, _, out, left = elastic_common.run_job_past_known_crash(
+                str(folder), 3, ["prog.py", "--x"], 10)
+        assert len(calls) == runs and out == outputs[-1] and status == 0 and not left
+        assert all(a == ["prog.py", str(folder), "--x"] for a in calls), calls
+        if runs == 2:
+            assert sorted(p.name for p in folder.iterdir()) == ["first-run", "rank2.json"]
+            assert (folder / "first-run" / "output.txt").read_text() == crash
+            assert (folder / "first-run" / "rank1.json").exists()
