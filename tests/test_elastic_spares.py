@@ -150,8 +150,12 @@ def test_a_spare_dies_while_standing_by(tmp_path, reference):
         recs = found[rank]["recoveries"]
         # (seen apart, the spare's death is a recovery of its own, members [0, 1, 2]; on a
         # loaded machine the trainers may run the 10 steps before they see it, and then
-        # one recovery counts both deaths)
-        assert any(3 in x.get("failed", ()) for x in recs), recs
+        # one recovery counts both deaths. Under Open MPI's ULFM, where the death of a
+        # process no trainer talks to reaches the trainers through its runtime, once in
+        # CI's load it came after trainer 2's recovery: then the merge's agreement alone
+        # found spare 3 dead and passed it over, as below.)
+        seen = any(3 in x.get("failed", ()) for x in recs)
+        assert seen or mpi_impl().key == "openmpi", recs
         assert merges(found[rank]) == [([0, 1, 4], [4])], recs
     assert not results(str(tmp_path), "spare")
 
