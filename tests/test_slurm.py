@@ -74,8 +74,8 @@ def _mapped_by_a_live_process(name: str) -> bool:
 
 
 def _unclaimed(names: set, grace_s: float = 15.0) -> set:
-    """Of ``names``, those still in /dev/shm that no live process maps, once that holds
-    for ``grace_s`` at most: the segments this module's jobs left behind. (The other
+    """Of ``names``, those still in /dev/shm that no live process maps, after waiting up
+    to ``grace_s`` for them to go: the segments this module's jobs left behind. (The other
     xdist worker's jobs run meanwhile; a segment of theirs is named until every rank of
     its job maps it, and is theirs to answer for.)"""
     deadline = time.monotonic() + grace_s
