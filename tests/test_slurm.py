@@ -59,18 +59,12 @@ def _segments() -> set:
         if os.path.isdir("/dev/shm") else set()
 
 
-def _mapped_by_a_live_process(name: str) -> bool:
-    """Whether some process maps ``/dev/shm/<name>`` (/proc/*/maps)."""
-    path = "/dev/shm/" + name
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    if path in f.read():
-                        return True
-            except OSError:  # gone, or not ours to read
-                continue
-    return False
+def _mapped_anywhere() -> set:
+    """The MPI library's segments some live process maps, by name (commlib.mpi.shm.mapped
+    of each ``/proc/PID/maps``; one it cannot read counts as mapping none)."""
+    from commlib.mpi import shm
+    return {os.path.basename(path) for pid in os.listdir("/proc") if pid.isdigit()
+            for path, _, _ in shm.mapped(f"/proc/{pid}/maps")}
 
 
 def _unclaimed(names: set, grace_s: float = 15.0) -> set:
@@ -80,8 +74,9 @@ def _unclaimed(names: set, grace_s: float = 15.0) -> set:
     its job maps it, and is theirs to answer for.)"""
     deadline = time.monotonic() + grace_s
     while True:
+        mapped = _mapped_anywhere()
         left = {n for n in names if os.path.exists(os.path.join("/dev/shm", n))
-                and not _mapped_by_a_live_process(n)}
+                and n not in mapped}
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
