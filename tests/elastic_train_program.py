@@ -97,6 +97,8 @@ parser.add_argument("--scenarios", default="",
                     help="JSON list of references to train one after the other")
 parser.add_argument("--spares", type=int, default=0,
                     help="run(spares=K): the last K ranks stand by")
+parser.add_argument("--refill", action="store_true",
+                    help="run(refill=True): spawn new spares once spares joined")
 parser.add_argument("--skip-spare-state", action="store_true",
                     help="a joining spare keeps its own model (negative control)")
 parser.add_argument("--join-victim", type=int, default=-1,
@@ -468,7 +470,7 @@ else:
     cpu0, wall0 = time.process_time(), time.monotonic()
     elastic.run(train, state, replace=args.replace, min_ranks=args.min_ranks,
                 spawn_info=lambda dead: {"host": hosts[dead[0]]} if hosts[0] else None,
-                spares=args.spares)
+                spares=args.spares, refill=args.refill)
     if state.group.rank < 0:  # a spare released at the end: its CPU time inside run()
         with open(os.path.join(args.outdir, f"spare{me}.json"), "w") as f:
             json.dump({"rank": me, "step": state.step, "spares": state.spares,
@@ -477,7 +479,7 @@ else:
         sys.exit(0)
 if not reference:
     run.ring_consistent()
-    if FT and args.replace:
+    if FT and (args.replace or args.refill):
         name_spawned()
 run.write(args.outdir)
 if reference:

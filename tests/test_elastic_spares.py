@@ -244,6 +244,34 @@ def test_a_replacement_is_spawned_once_the_spares_are_used_up(tmp_path, referenc
         assert len(grown) == 1 and grown[0]["size"] == 3, found[rank]["recoveries"]
 
 
+def test_the_pool_is_refilled_after_a_spare_joined(tmp_path, reference):
+    """3+1 with ``refill=True``: trainer 2 SIGKILLed at step 8, spare 3 joins ([0, 1, 3]);
+    at the next commit the trainers spawn a new spare, which builds its model and stands
+    by (the pool back at 1); trainer 1 SIGKILLed at step 16: the new spare joins (no
+    process start in the recovery), and the pool is refilled again; at the end the last
+    spare is released. Back at 3 after each death, exact (every step applied by 3 ranks).
+    Without the refill the second death would leave 2 trainers (``check`` sees it: every
+    rank's size and ledger)."""
+    refusal = mpi_impl().spawn_refusal
+    if refusal:
+        pytest.skip(f"spawning refused: {refusal}")
+    status, out, found = job(tmp_path, 4, "--fault", "kill", "--victims", "2,1", "--at",
+                             "8,16", "--spares", "1", "--refill",
+                             ELASTIC_HOSTS=rank_hosts(4))
+    # (the first spawned spare, which joined, is named 1: the number no trainer has)
+    check(found, [0, 1, 3], reference, status, out)
+    for rank in (0, 3):
+        recs = found[rank]["recoveries"]
+        joined = [x for x in recs if x.get("joined")]
+        # (ranks of the world then: the refill renumbered it, trainers first)
+        assert len(joined) == 2 and [len(x["members"]) for x in joined] == [3, 3], recs
+        assert not any(x.get("grown") for x in recs), recs  # no replacement was spawned
+        # a refill after each joining (rank 3 took part in both as a trainer), 1 spawned
+        assert [x["refilled"] for x in recs if "refilled" in x] == [1, 1], recs
+    spare = results(str(tmp_path), "spare")
+    assert len(spare) == 1 and all(s["step"] == 0 for s in spare.values()), spare
+
+
 @pytest.mark.parametrize("second", ["replacement", "survivor", "replacement-remote"])
 def test_a_death_after_a_replacement_joined(tmp_path, reference, second):
     """3 trainers with ``replace=True`` and no spare: trainer 2 SIGKILLed at step 8, a

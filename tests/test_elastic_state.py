@@ -234,3 +234,51 @@ def test_per_rank_commits_stay_within_keep(keep, fenced, monkeypatch):
     else:
         assert len(late) >= commits - keep, late
     commlib.barrier()
+
+
+@pytest.mark.parametrize("policy", ["replicated", "synced"])
+def test_a_refill_is_due_at_a_commit_once_the_pool_is_short(policy):
+    """``run(refill=True)``: a recovery that leaves the pool of spares short marks the
+    refill due; ``commit`` then raises ``RefillDue`` (which ``run`` catches) where the live
+    state is the commit just taken (every ``commit_every``-th step), or one step after it
+    for the algorithms whose commits are taken at the next step's average; never while the
+    pool is full or without ``refill``."""
+    from commlib.elastic import refill
+    from commlib.elastic.policies import REPLICATED, SYNCED
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.State(model, optimizer, commit_every=2)
+    state.__dict__["policy"] = SYNCED if policy == "synced" else REPLICATED
+    state.__dict__.update(_refill=True, spare_target=1, spares=[5])
+    refill.mark_due(state)  # the pool is full
+    assert not refill.due(state)
+    state.__dict__["spares"] = []
+    state.__dict__["_refill"] = False
+    refill.mark_due(state)  # no refill asked for
+    assert not refill.due(state)
+    state.__dict__["_refill"] = True
+    refill.mark_due(state)
+    assert refill.due(state)  # (at step 0, the initial commit)
+    optimizer.step()
+    if policy == "synced":  # one step after the commit of step 0: due
+        with pytest.raises(refill.RefillDue):
+            state.commit()
+        return
+    state.commit()  # step 1: no commit (commit_every=2), the live state moved past it
+    assert state.step == 1
+    optimizer.step()
+    with pytest.raises(refill.RefillDue):
+        state.commit()  # step 2: committed, then due
+    assert state.last_commit == 2
+
+
+def test_refill_needs_spares_and_spawning(monkeypatch):
+    """``refill=True`` without ``spares`` is a ValueError naming both; where the MPI cannot
+    spawn, a CommError naming why (before anything trains)."""
+    from commlib.elastic import refill
+    state = elastic.State(torch.nn.Linear(3, 2), None)
+    with pytest.raises(ValueError, match="refill=True needs spares > 0"):
+        elastic.run(lambda s: None, state, refill=True)
+    monkeypatch.setattr(refill, "refusal", lambda: "its spawn crashes")
+    with pytest.raises(commlib.CommError, match="which this MPI cannot: its spawn crashes"):
+        elastic.run(lambda s: None, state, spares=1, refill=True)

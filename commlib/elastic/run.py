@@ -9,6 +9,7 @@ from typing import Any
 
 from ..base.errors import CommError, PeerFailure
 from ..primitives import ft, world
+from . import refill as refill_module
 from .spares import _reached, release, split, stand_by, top_up
 from .state import State
 from .zero import is_zero
@@ -17,7 +18,7 @@ from .zero import is_zero
 def run(train_fn: Callable[[State], Any] | None = None, state: State | None = None, *,
         min_ranks: int = 1, replace: bool = False,
         spawn_info: Callable[[list[int]], dict] | dict | None = None,
-        spares: int = 0) -> Any:
+        spares: int = 0, refill: bool = False) -> Any:
     """Run ``train_fn(state)`` until it returns on every survivor (fault-tolerant mode:
     ``commlib.init(fault_tolerant=True)`` or ``COMMLIB_FAULT_TOLERANT=1``).
 
@@ -64,26 +65,41 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
     """
     if train_fn is None:
         return functools.partial(run, min_ranks=min_ranks, replace=replace,
-                                 spawn_info=spawn_info, spares=spares)
+                                 spawn_info=spawn_info, spares=spares, refill=refill)
     if state is None:
         @functools.wraps(train_fn)
         def wrapped(state: State) -> Any:
             return run(train_fn, state, min_ranks=min_ranks, replace=replace,
-                       spawn_info=spawn_info, spares=spares)
+                       spawn_info=spawn_info, spares=spares, refill=refill)
         return wrapped
     if (spares or replace) and is_zero(state.optimizer):
         raise CommError("commlib.elastic.run: spares and replace=True are not supported "
                         "with a ZeroRedundancyOptimizer (a newcomer would need a shard of "
                         "its own cut out of the others'; the survivors go on shrunk)")
-    standing_by = joining = False
+    if refill:
+        if not spares:
+            raise ValueError(f"commlib.elastic.run (rank {world().rank}): refill=True "
+                             f"needs spares > 0 (the pool to keep full)")
+        why = refill_module.refusal()
+        if why:
+            raise CommError(f"commlib.elastic.run (rank {world().rank}): refill=True "
+                            f"spawns processes, which this MPI cannot: {why}")
+    state.__dict__["_refill"] = bool(refill)
+    standing_by = joining = refilling = False
     if state.group is None:
         if spares and not ft.joined:
             standing_by = not split(state, int(spares))
         else:
-            state.__dict__["group"] = world()
-            state.__dict__["target_size"] = state.group.size
-            if ft.joined:  # spawned to replace a dead rank: take the state first
-                state.__dict__["_empty"] = joining = True
+            told = refill_module.told() if ft.joined else None
+            if told is not None and told[0] == refill_module.SPARE:
+                # spawned to refill the pool: stand by
+                refill_module.join_as_spare(state, told[1], told[2], int(spares))
+                standing_by = True
+            else:
+                state.__dict__["group"] = world()
+                state.__dict__["target_size"] = state.group.size
+                if ft.joined:  # spawned to replace a dead rank: take the state first
+                    state.__dict__["_empty"] = joining = True
     failure: PeerFailure | None = None
     while True:
         try:
@@ -93,6 +109,9 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
             if failure is not None:
                 exc, failure = failure, None
                 recover(state, exc, min_ranks, replace, spawn_info)
+            if refilling:
+                refilling = False
+                refill_module.refill(state, spawn_info)
             if standing_by:
                 if not stand_by(state):
                     return None  # released: training is over
@@ -102,6 +121,8 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
             state.group.barrier()
             release(state)
             return result
+        except refill_module.RefillDue:
+            refilling = True
         except PeerFailure as exc:
             failure = exc
             # a spare merged into the group (its joining interrupted by a death: it takes
@@ -133,12 +154,17 @@ def recover(state: State, failure: PeerFailure, min_ranks: int = 1, replace: boo
     state.recoveries[-1].update(failed=list(failure.failed), seconds=time.monotonic() - seen)
     if state.spares:
         top_up(state, seen)
+        # (where a refill places the spares that replace them: spawn_info's argument)
+        state.__dict__["_replaced"] = sorted(r for r in failure.failed if r >= 0)
+    refill_module.mark_due(state)
     missing = state.target_size - state.group.size
     if replace and missing > 0:
         dead = sorted(r for r in failure.failed if r >= 0)
         info = spawn_info(dead) if callable(spawn_info) else spawn_info
         ft.become_world(state.group.comm)  # (spares merged or dead: nothing else lives)
-        group = state.group.grow(missing, info=info)
+        group = state.group.grow(missing, info=info, note=(refill_module.REPLACEMENT,
+                                                           state.target_size,
+                                                           state.target_size))
         _sync(state, group, seen)
 
 

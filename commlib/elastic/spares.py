@@ -34,11 +34,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..base.errors import CommError
+from ..base.errors import CommError, PeerFailure
 from ..base.options import options
 from ..primitives import ft, standby, world
 from ..primitives.group import assemble, new_group
-from . import transfer
+from . import refill, transfer
 from .state import State
 
 #: Test hook: the joining spare keeps its own model instead of the one it received. Wrong
@@ -80,6 +80,7 @@ def split(state: State, spares: int) -> bool:
     d["group"] = new_group(trainers, parent=w)
     d["target_size"] = len(trainers)
     d["spares"] = pool
+    d["spare_target"] = len(pool)
     trains = w.ranks[me] in trainers
     d["_empty"] = not trains  # (a spare holds no state until it joined)
     return trains
@@ -88,29 +89,39 @@ def split(state: State, spares: int) -> bool:
 def stand_by(state: State) -> bool:
     """On a spare: wait idle until the trainers call it; then join them (see
     :func:`top_up`) and return True (``state.group`` is the merged group, the state the
-    committed one); False when released at the end of training."""
-    w = world()
-    me = w.ranks[w.rank]
-    pool = frozenset(state.spares)
-    others = [r for r in w.ranks if r not in pool]
+    committed one); False when released at the end of training. A call to refill the
+    pool (:mod:`commlib.elastic.refill`) is taken part in, and the wait goes on."""
+    while True:
+        w = world()  # (a refill makes a new world: ranks counted anew)
+        me = w.ranks[w.rank]
+        pool = frozenset(state.spares)
+        others = [r for r in w.ranks if r not in pool]
 
-    def give_up(gone: frozenset) -> str | None:  # nobody is left to call this spare
-        if all(r in gone for r in others):
-            return f"every trainer ({others}) died or left"
-        return None
+        def give_up(gone: frozenset) -> str | None:  # nobody is left to call this spare
+            if all(r in gone for r in others):
+                return f"every trainer ({others}) died or left"
+            return None
 
-    message = standby.wait_call(give_up)
-    seen = time.monotonic()
-    if message[0] == "release":
-        return False
-    _, universe, pick, rest, policy = message
-    state.__dict__["policy"] = policy  # the trainers' (recovering, the same as theirs)
-    _reached("called")
-    if me not in pick:  # (never sent: a call goes to the ranks it picks)
-        raise CommError(f"commlib.elastic.run (rank {me}): called as {pick} into {universe}")
-    _merge(state, universe, pick, rest, seen)
-    top_up(state, seen)
-    return True
+        message = standby.wait_call(give_up)
+        seen = time.monotonic()
+        if message[0] == "release":
+            return False
+        if message[0] == "refill":
+            try:
+                refill.take_part(state, message)
+            except PeerFailure:
+                pass  # a trainer died: the trainers recover; this spare stands by again
+            continue
+        _, universe, pick, rest, policy = message
+        state.__dict__["policy"] = policy  # the trainers' (recovering, the same as theirs)
+        _reached("called")
+        if me not in pick:  # (never sent: a call goes to the ranks it picks)
+            raise CommError(f"commlib.elastic.run (rank {me}): called as {pick} into "
+                            f"{universe}")
+        _merge(state, universe, pick, rest, seen)
+        top_up(state, seen)
+        refill.mark_due(state)
+        return True
 
 
 def top_up(state: State, since: float) -> None:

@@ -10,7 +10,7 @@ import torch
 from ..base.errors import CommError
 from ..ddp.replicas import per_rank_state  # noqa: F401
 from ..primitives import broadcast, world  # noqa: F401
-from . import transfer  # noqa: F401
+from . import refill, transfer  # noqa: F401
 from . import zero as zero_elastic
 
 # The state's parts, one concept a module; their names are importable from here too.
@@ -121,6 +121,7 @@ class State(_Commits, _Recovery, _Handoff):
         d["group"] = None
         d["target_size"] = 0        # the world size to grow back to (run(replace=True))
         d["spares"] = []            # idle spares, world ranks (run(spares=K))
+        d["spare_target"] = 0       # the pool's size to refill to (run(refill=True))
         d["policy"] = REPLICATED
         d["_wrapper"] = None
         d["_commits"]: list[_Snapshot] = []
@@ -162,6 +163,8 @@ class State(_Commits, _Recovery, _Handoff):
         d["step"] += 1
         if self.policy == SYNCED:
             d["_pending_values"] = (self.step, copy.deepcopy(self.values))
+            if refill.due(self):
+                raise refill.RefillDue()
             return  # the commit is taken when the average is applied
         if self.step % self.commit_every == 0:
             full = self.policy == PER_RANK or self.commit_every > 1
@@ -172,6 +175,8 @@ class State(_Commits, _Recovery, _Handoff):
             if fence:
                 from ..primitives.barrier import barrier
                 d["_pending_fence"] = barrier(group=self.group, async_op=True)
+        if refill.due(self):  # (every trainer at the same step: run() refills the pool)
+            raise refill.RefillDue()
 
     @property
     def last_commit(self) -> int:

@@ -70,6 +70,8 @@ def _start() -> None:
 
 #: Whether this process was spawned by :func:`grow` (it joined a running job).
 joined = False
+#: On a process spawned by :func:`grow`: the ``note`` its parents passed (None without).
+joined_note: Any = None
 
 
 runtime.on_init(_start)
@@ -248,14 +250,22 @@ def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
             return mpi, decision, known, (f"{tag}/{key}" if b.derive_by_create else None)
 
 
+def spawn_refusal() -> str:
+    """Why this MPI cannot spawn processes for :func:`grow` ('' where it can)."""
+    return backend().impl.spawn_refusal
+
+
 def grow(comm: Communicator, n: int, command: str | None = None,
-         args: list[str] | None = None, info: dict[str, str] | None = None) -> Communicator:
+         args: list[str] | None = None, info: dict[str, str] | None = None,
+         note: Any = None) -> Communicator:
     """Collective over ``comm`` (the world, every member alive): spawn ``n`` processes
     running ``command args`` (default: this Python and ``sys.argv``: the same script)
     with ``MPI_Comm_spawn`` (``info``: its ``MPI_Info`` keys, e.g. ``{"host": ...}``) and
     merge them in after the members; the merged communicator is the world from then on
     (ranks ``0..size-1``: the members in order, then the newcomers). The newcomers join in
-    their ``commlib.init()``. A failure meanwhile raises :class:`PeerFailure`."""
+    their ``commlib.init()``, where :data:`joined_note` is ``note`` (picklable: e.g. what
+    they are to do, told without a collective after the grow). A failure meanwhile raises
+    :class:`PeerFailure`."""
     import sys
     import time
     if comm is not runtime._world:
@@ -299,13 +309,13 @@ def grow(comm: Communicator, n: int, command: str | None = None,
         mpi_info.Free()
     merged = fault_tolerance.in_thread(comm.mpi, "Intercomm_merge", MPI.Intercomm.Merge,
                                        inter, False)
-    return _adopt_world(merged, comm)
+    return _adopt_world(merged, comm, note)
 
 
-def _adopt_world(merged: Any, old: Communicator) -> Communicator:
+def _adopt_world(merged: Any, old: Communicator, note: Any = None) -> Communicator:
     """``merged`` (survivors and newcomers, all alive) becomes the world: failure
     detection counts in its ranks, a new control communicator, commlib's world."""
-    global _ctl, _agreement
+    global _ctl, _agreement, joined_note
     watcher = fault_tolerance.watcher()
     watcher.rebase(merged)
     _ctl = merged.Dup()
@@ -317,11 +327,14 @@ def _adopt_world(merged: Any, old: Communicator) -> Communicator:
     # that this process's failure detection covers: watch them by process id (a death in
     # this exchange: the old world's are seen, a newcomer's is caught by its time limit).
     # (and on other machines by a TCP connection to each one's watch port)
+    # (the parents' note travels with the reports: rank 0 is a parent)
     reports = fault_tolerance.in_thread(ftcomm, "Allgather", merged.allgather,
                                         (failure_detection.this_process(),
-                                         peer_sockets.listener().address()))
-    watcher.watch_grown({r: p for r, (p, _) in enumerate(reports)}, merged.Get_rank(),
-                        {r: a for r, (_, a) in enumerate(reports)})
+                                         peer_sockets.listener().address(), note))
+    if joined:
+        joined_note = reports[0][2]
+    watcher.watch_grown({r: p for r, (p, _, _) in enumerate(reports)}, merged.Get_rank(),
+                        {r: a for r, (_, a, _) in enumerate(reports)})
     new = Communicator(ftcomm, old.watchdog, name, tuple(range(size)))
     runtime._world = new
     return new

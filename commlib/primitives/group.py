@@ -110,9 +110,9 @@ class Group:
         return shrink(self, value, timeout)
 
     def grow(self, n: int, command: str | None = None, args: list[str] | None = None,
-             info: dict[str, str] | None = None) -> Group:
+             info: dict[str, str] | None = None, note: Any = None) -> Group:
         """Fault-tolerant mode, on the world: ``n`` new ranks join (see :func:`grow`)."""
-        return grow(n, self, command, args, info)
+        return grow(n, self, command, args, info, note)
 
     def free(self) -> None:
         """Release the group's communicators (on every member, once it is no longer used);
@@ -238,7 +238,8 @@ def assemble(ranks: Sequence[int], value: Any = 0, timeout: float | None = None)
 
 
 def grow(n: int, group: Group | None = None, command: str | None = None,
-         args: list[str] | None = None, info: dict[str, str] | None = None) -> Group:
+         args: list[str] | None = None, info: dict[str, str] | None = None,
+         note: Any = None) -> Group:
     """Collective over the world (every member alive; fault-tolerant mode, under
     ``mpiexec``): ``n`` processes are spawned (``MPI_Comm_spawn``; default: this Python
     running ``sys.argv``, i.e. the same script; ``info``: ``MPI_Info`` keys such as
@@ -246,7 +247,8 @@ def grow(n: int, group: Group | None = None, command: str | None = None,
     ranks ``0..size-1`` (the members in their order, then the newcomers), is the world from
     then on. The newcomers join in their own ``commlib.init()`` (there
     ``commlib.primitives.ft.joined`` is True) and must then take part in whatever the
-    members do next, e.g. receive the training state (``commlib.elastic.run`` does both).
+    members do next, e.g. receive the training state (``commlib.elastic.run`` does both);
+    ``note`` (picklable) is ``commlib.primitives.ft.joined_note`` there.
     A failure meanwhile raises :class:`~commlib.base.errors.PeerFailure`. Not survived
     afterwards: the death of a spawned rank (hydra's ``mpiexec`` fails an assertion), and a
     death seen only by the processes of the other MPI world (``MPIX_Comm_get_failed`` reads
@@ -256,7 +258,7 @@ def grow(n: int, group: Group | None = None, command: str | None = None,
     if comm is None:
         raise ValueError(f"{where('grow', runtime.get_rank())}: this rank is not a member "
                          f"of the group")
-    new = ft.grow(comm, n, command, args, info)
+    new = ft.grow(comm, n, command, args, info, note)
     return Group(new, new.world_ranks, getattr(group, "hierarchical", False))
 
 
