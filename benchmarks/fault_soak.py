@@ -36,6 +36,9 @@ running; an outer timeout, the whole job killed past it), one fault per job:
   about to send it the state (``test_elastic_spares.py``); another replacement is spawned.
   Passed: three ranks finish, exact against the 3-rank run without failure, as above
   (``gradient_allreduce`` only).
+* ``refill-second``: 3 trainers and 1 spare with ``run(spares=1, refill=True)``: trainer 2
+  SIGKILLed at step 12 (the spare joins, a new one is spawned at the next commit), then
+  trainer 1 at step 20 (the refilled spare joins). Passed as the spare kinds.
 
 Algorithms (``--algorithms``): ``gradient_allreduce`` and the relaxed ones ``commlib.elastic``
 supports (``decentralized``, ``local_sgd``, ``diloco``, ``streaming_diloco``, ``powersgd``,
@@ -113,6 +116,13 @@ KINDS = {
                                      extra=["--replace", "--join-victim", "1",
                                             "--join-death", "sending"],
                                      trainers=[0, 1, 2]),
+    # run(spares=1, refill=True) (test_the_pool_is_refilled_after_a_spare_joined):
+    # trainer 2 killed at step 12, the spare joins, a new spare is spawned at the next
+    # commit; trainer 1 killed at step 20: the refilled spare joins (the first spawned
+    # process, named 1 at the end); back at 3
+    "refill-second": dict(n=4, spares=1, fault="kill", victim=2, replace=True,
+                          extra=["--refill", "--victims", "2,1", "--at", "12,20"],
+                          trainers=[0, 1, 3]),
 }
 ALGORITHMS = ["gradient_allreduce", "decentralized", "local_sgd", "diloco",
               "streaming_diloco", "powersgd", "low_precision_decentralized", "qadam",

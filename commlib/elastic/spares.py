@@ -104,7 +104,9 @@ def stand_by(state: State) -> bool:
 
         message = standby.wait_call(give_up)
         seen = time.monotonic()
-        if message[0] == "release":
+        if message[0] == "release":  # (trainer 0 waits for this answer before it leaves)
+            standby.settle(standby.call([state.group.ranks[0]], ("released", me)),
+                           RELEASE_S)
             return False
         if message[0] == "refill":
             try:
@@ -188,3 +190,21 @@ def release(state: State) -> None:
     requests = standby.call(pool, ("release",))
     ft.expect_exit(state.group.comm, pool)
     standby.settle(requests, RELEASE_S)
+    if state.group.rank != 0:
+        return
+    # Trainer 0 stays until every living spare has answered: a spare still starting
+    # (spawned by a refill shortly before the end) would otherwise find every trainer
+    # gone before it reads its release, which MPI may not deliver once they left.
+    waiting = set(pool)
+
+    def done(gone: frozenset) -> str | None:
+        waiting.difference_update(gone)
+        return None if waiting else "every spare answered or died"
+
+    while waiting:
+        try:
+            message = standby.wait_call(done, timeout=max(RELEASE_S, options.timeout))
+        except CommError:
+            return  # (answered or dead, every one; or past the time limit)
+        if message[0] == "released":
+            waiting.discard(message[1])
