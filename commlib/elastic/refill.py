@@ -30,12 +30,14 @@ processes join in their ``commlib.init()``):
 
 The newcomers run the script up to ``run`` like any rank (importing everything and
 building the model and the optimizer) and stand by, without a collective on the way:
-the trainers wait for the spawn alone, the new processes' start up to their
-``commlib.init()`` (Python, and whatever the script imports before it), and a death
-meanwhile finds no newcomer outside ``run``'s recovery.
+the trainers wait for the spawn alone, which :mod:`commlib.tools.spawned` makes the new
+processes' start up to MPI's and commlib's (a fraction of a second; the script's own
+imports, torch among them, come after), and a death meanwhile finds no newcomer outside
+``run``'s recovery.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -127,7 +129,11 @@ def _grow(state: Any, universe: tuple[int, ...], trainers: int, info: Any) -> in
     if missing <= 0:
         return 0
     ft.become_world(group.comm)
-    grown = group.grow(missing, info=info, note=(SPARE, trainers, state.target_size))
+    # (this script again, behind commlib.tools.spawned: the spawn returns once the new
+    # processes have joined, before the script's imports)
+    grown = group.grow(missing, command=sys.executable,
+                       args=["-m", "commlib.tools.spawned", *sys.argv], info=info,
+                       note=(SPARE, trainers, state.target_size))
     _settle(state, grown.size, trainers)
     return missing
 
