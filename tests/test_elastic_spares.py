@@ -257,7 +257,7 @@ def test_the_pool_is_refilled_after_a_spare_joined(tmp_path, reference):
         pytest.skip(f"spawning refused: {refusal}")
     status, out, found = job(tmp_path, 4, "--fault", "kill", "--victims", "2,1", "--at",
                              "8,16", "--spares", "1", "--refill",
-                             ELASTIC_HOSTS=rank_hosts(4))
+                             ELASTIC_HOSTS=rank_hosts(4), COMMLIB_SHM="1")
     # (the first spawned spare, which joined, is named 1: the number no trainer has)
     check(found, [0, 1, 3], reference, status, out)
     for rank in (0, 3):

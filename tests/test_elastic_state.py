@@ -282,3 +282,14 @@ def test_refill_needs_spares_and_spawning(monkeypatch):
     monkeypatch.setattr(refill, "refusal", lambda: "its spawn crashes")
     with pytest.raises(commlib.CommError, match="which this MPI cannot: its spawn crashes"):
         elastic.run(lambda s: None, state, spares=1, refill=True)
+
+
+def test_no_spawning_in_a_world_formed_from_a_store(monkeypatch):
+    """A world formed from a store (no mpiexec) cannot spawn: ``refill`` and
+    ``replace=True`` are refused with that reason, whatever the MPI library could do."""
+    from commlib.elastic import refill
+    from commlib.mpi import launch
+    from commlib.primitives import ft
+    assert ft.spawn_refusal() == ft.backend().impl.spawn_refusal  # (mpiexec or singleton)
+    monkeypatch.setattr(launch, "current", lambda: object())
+    assert "without mpiexec" in ft.spawn_refusal() and refill.refusal() == ft.spawn_refusal()

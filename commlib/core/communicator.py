@@ -31,6 +31,9 @@ def describe_pending(pending: tuple) -> str:
 #: inside MPI). Set by ``commlib.init`` for the whole job before the world is made (option
 #: ``wait_poll_us``); every communicator takes it at construction.
 WAIT_POLL_S = 0.0
+#: The same on every process of this process's ``MPI_COMM_WORLD``, different in another's
+#: (a process spawned into a grown world has its own): set by ``runtime.init``.
+WORLD_KEY = 0
 
 
 class Gate:
@@ -154,6 +157,13 @@ class Communicator:
                 local = self.mpi.Split(color=self.rank // k, key=self.rank)
             else:
                 local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+                if options.fault_tolerant:
+                    # a grown world mixes MPI_COMM_WORLDs, whose processes MPICH's split
+                    # puts together but whose shared-memory window it refuses ("processes
+                    # are not in the same shared memory domain"): one node per world
+                    split = local.Split(color=WORLD_KEY, key=self.rank)
+                    local.Free()
+                    local = split
             is_leader = local.Get_rank() == 0
             leaders = self.mpi.Split(color=0 if is_leader else MPI.UNDEFINED, key=self.rank)
             local_c = Communicator(local, self.watchdog, f"{self.name}/node")

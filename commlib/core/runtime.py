@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +67,7 @@ def init(comm: Any = None, check: bool | None = None, **opts: Any) -> Communicat
     everyone = source.allgather(mine)
     world_ranks = tuple(r for r, *_ in everyone)
     communicator.WAIT_POLL_S = wait_poll_s([e[:3] for e in everyone], options.wait_poll_us)
+    communicator.WORLD_KEY = zlib.crc32(repr(everyone[0][3]).encode()) & 0x7FFFFFFF
     failure_detection.watch_local({r: proc for r, _, _, proc in everyone})
     _world = Communicator(source.Dup(), _watchdog, "world", world_ranks)
     _world_source = source

@@ -27,6 +27,7 @@ from ..fault import failure_detection, fault_tolerance, peer_sockets
 from ..fault.agreement import Agreement, Decision
 from ..fault.ft_backend import backend
 from ..fault.helper_thread import CREATE_ATTEMPTS, create_limit  # noqa: F401 - API
+from ..mpi import launch
 
 #: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
 CREATE_TAG_BASE = 1000
@@ -251,7 +252,12 @@ def _agree_and_create(universe: tuple[int, ...], value: Any, limit: float,
 
 
 def spawn_refusal() -> str:
-    """Why this MPI cannot spawn processes for :func:`grow` ('' where it can)."""
+    """Why no process can be spawned here for :func:`grow` ('' where it can): the MPI
+    library's own reason, or a world formed without ``mpiexec`` (the store-backed launch:
+    no process manager to spawn with)."""
+    if launch.current() is not None:
+        return ("the world was formed from a store (RANK, WORLD_SIZE, MASTER_ADDR), "
+                "without mpiexec: no process manager spawns processes")
     return backend().impl.spawn_refusal
 
 
@@ -270,7 +276,7 @@ def grow(comm: Communicator, n: int, command: str | None = None,
     import time
     if comm is not runtime._world:
         raise CommError(f"{where('grow', comm.rank)}: only the world grows (shrink it first)")
-    refusal = backend().impl.spawn_refusal
+    refusal = spawn_refusal()
     if refusal:  # every member raises alike
         raise CommError(f"{where('grow', comm.rank)}: no replacement can be spawned on "
                         f"{backend().impl.describe()}: {refusal}")
