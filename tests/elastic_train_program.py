@@ -319,8 +319,9 @@ def one_step(tr: Training, ddp, faults: bool = True) -> None:
     tr.optimizer.step()
     tr.optimizer.zero_grad(set_to_none=True)
     st.ledger.append([step + 1, group.size])
+    # (the step is done: recorded before commit, which a refill of spares leaves from)
+    tr.times.append((step + 1, time.time()))
     st.commit()
-    tr.times.append((st.step, time.time()))
     if faults and args.pause:
         time.sleep(args.pause)
     if faults and args.fault == "idlekill" and me == 0 and st.step in plan.values():
