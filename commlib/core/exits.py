@@ -142,6 +142,29 @@ def arm_at_import() -> None:
         shm.release()
 
 
+def leave_alone() -> None:
+    """Last step at exit of a process spawned into a fault-tolerant job
+    (``commlib.primitives.ft``, for ``ft.joined``): its own ``MPI_COMM_WORLD`` holds no
+    other rank to agree with, and ``MPI_Finalize`` would wait for every process it is
+    connected to (Open MPI's dynamic-process disconnect spins forever where one died), so
+    it leaves as the survivors do: flush, then ``os._exit`` with its status (0; what
+    ``sys.exit`` gave; 1 after an uncaught exception)."""
+    import logging
+    import os
+    status = _exit_status[0] if _exit_status is not None else 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+    try:
+        logging.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    shm.release()
+    os._exit(int(status) % 256)
+
+
 def record_exit(status: int, how: str) -> None:
     """Remember how this rank is leaving (for the exit agreement's messages)."""
     global _exit_status

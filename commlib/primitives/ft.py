@@ -27,7 +27,7 @@ from ..fault import failure_detection, fault_tolerance, peer_sockets
 from ..fault.agreement import Agreement, Decision
 from ..fault.ft_backend import backend
 from ..fault.helper_thread import CREATE_ATTEMPTS, create_limit  # noqa: F401 - API
-from ..mpi import launch
+from ..mpi import launch, shutdown
 
 #: Tags of the survivors' ``MPI_Comm_create_group`` calls on the control communicator.
 CREATE_TAG_BASE = 1000
@@ -62,6 +62,8 @@ def _start() -> None:
     parent = MPI.Comm.Get_parent()
     if parent != MPI.COMM_NULL:  # a replacement: the survivors wait in grow()
         joined = True
+        exits.arm(collective=False)  # (its status recorded: sys.exit, uncaught exceptions)
+        shutdown.at_final(exits.leave_alone)  # never MPI_Finalize, as the survivors
         merged = parent.Merge(high=True)
         _adopt_world(merged, runtime._world)
         return
