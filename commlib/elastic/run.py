@@ -51,6 +51,18 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
     member: ``state.group.rank == -1``). ``spares`` outside ``0..world size - 1`` raise
     ``ValueError`` on every rank.
 
+    ``refill=True`` (with ``spares``, under ``mpiexec``): the pool is kept at ``K``. Once
+    a recovery has used spares up (or found one dead), the trainers' next commit starts a
+    refill (:mod:`commlib.elastic.refill`): the missing spares are spawned (this same
+    script behind ``python -m commlib.tools.spawned``, placed by ``spawn_info`` of the
+    world ranks that died last), build their model and stand by; training goes on from
+    that commit (code after ``commit()`` in that iteration is skipped, as after a
+    failure), over a world numbered anew (trainers first, then the spares). The trainers
+    wait for the new processes' MPI start only (their imports and model come after); a
+    trainer's death during the refill is a failure like any other, an idle spare's leaves
+    it out. Refused (on every rank, ``CommError``) where nothing can spawn (Intel MPI, a
+    world formed from a store); ``refill`` without ``spares`` raises ``ValueError``.
+
     ``replace=True`` (under ``mpiexec``): after each recovery the survivors spawn as many
     ranks as died (:func:`commlib.primitives.group.grow`, running this same script;
     ``spawn_info``: the ``MPI_Info`` of the spawn, or a function of the dead world ranks
@@ -60,8 +72,8 @@ def run(train_fn: Callable[[State], Any] | None = None, state: State | None = No
     replacement joins (its own, or a survivor's) is a failure like any other: a
     replacement without the state yet recovers with the survivors as a member without
     state and receives the agreed commit, and the living spawn again. A spawned process
-    is watched by process id on its machine only (``failure_detection.Watcher.
-    watch_grown``): the death of one spawned on another machine is not detected.
+    is watched by process id on its machine and by a TCP connection from other machines
+    (``failure_detection.Watcher.watch_grown``, :mod:`commlib.fault.peer_sockets`).
     """
     if train_fn is None:
         return functools.partial(run, min_ranks=min_ranks, replace=replace,
