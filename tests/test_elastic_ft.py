@@ -168,6 +168,34 @@ def test_only_the_known_open_mpi_crash_gets_a_second_run(monkeypatch):
         assert (elastic_common.known_library_crash(out) is not None) == named, (key, out)
 
 
+def test_hydra_ending_the_job_gets_a_second_run_only_where_no_rank_finished(tmp_path,
+                                                                           monkeypatch):
+    """MPICH's launcher ending the whole job itself (a failed signal to a proxy) gets a
+    second run where no rank finished; not where ranks finished (status 255 with their
+    results: judged as it is), not without every line of it, not under another MPI."""
+    import types
+
+    import elastic_common
+    out = ("[mpiexec@vm] HYD_pmcd_pmiserv_send_signal (pmiserv_cb.c:218): unable to write
+"
+           "[mpiexec@vm] control_cb (pmiserv_cb.c:458): unable to send SIGUSR1 downstream
+"
+           "[mpiexec@vm] main (mpiexec.c:270): process manager error waiting for completion
+")
+    empty, finished = tmp_path / "empty", tmp_path / "finished"
+    empty.mkdir()
+    finished.mkdir()
+    (empty / "shm0.json").write_text("{}")
+    (finished / "rank0.json").write_text("{}")
+    for key, text, folder, named in [
+            ("mpich", out, empty, True), ("mpich", out, finished, False),
+            ("mpich", out.replace("SIGUSR1", "SIGTERM"), empty, False),
+            ("openmpi", out, empty, False)]:
+        monkeypatch.setattr(elastic_common, "mpi_impl", lambda k=key: types.SimpleNamespace(key=k))
+        found = elastic_common.known_launcher_failure(text, str(folder))
+        assert (found is not None) == named, (key, folder.name, text)
+
+
 def test_the_second_run_replaces_the_first(tmp_path, monkeypatch):
     """``run_job_past_known_crash``: after the known crash the first run's files (and its
     whole output) move to ``first-run/``, the job runs once more in the same folder and
