@@ -176,12 +176,9 @@ def test_hydra_ending_the_job_gets_a_second_run_only_where_no_rank_finished(tmp_
     import types
 
     import elastic_common
-    out = ("[mpiexec@vm] HYD_pmcd_pmiserv_send_signal (pmiserv_cb.c:218): unable to write
-"
-           "[mpiexec@vm] control_cb (pmiserv_cb.c:458): unable to send SIGUSR1 downstream
-"
-           "[mpiexec@vm] main (mpiexec.c:270): process manager error waiting for completion
-")
+    out = ("[mpiexec@vm] HYD_pmcd_pmiserv_send_signal (pmiserv_cb.c:218): unable to write\n"
+           "[mpiexec@vm] control_cb (pmiserv_cb.c:458): unable to send SIGUSR1 downstream\n"
+           "[mpiexec@vm] main (mpiexec.c:270): process manager error waiting for completion\n")
     empty, finished = tmp_path / "empty", tmp_path / "finished"
     empty.mkdir()
     finished.mkdir()
