@@ -26,7 +26,9 @@ rank 0): the living spawn again and end back at 3, exact;
 exact). On Open MPI (``--with-ft ulfm``) the joining cases hung until the communicators
 made after a failure were built without Open MPI's context-id allocator (a death during an
 ``MPI_Comm_idup`` leaves it stuck: see :mod:`commlib.fault.ft_backend`); tests/run_all.sh
-runs this file on MPICH and on Open MPI. Negative control: a joining spare that keeps its
+runs this file on MPICH, and its joining, replacement and refill cases on Open MPI (the
+whole file passed there too). A spawned refill of the pool (``refill=True``, 3+1): the
+refilled spare meets the second death. Negative control: a joining spare that keeps its
 own model instead of the state it received (``--skip-spare-state``): the check must see the
 difference.
 """
