@@ -40,6 +40,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, HERE)
+
+import _common as C  # noqa: E402
 
 WIDTHS = {"2MB": 500, "64MB": 2890}  # float64 MLP 16-w-w-4: about w*w parameters
 
@@ -134,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  failed run ({mode}): status {r['status']}: "
                               f"{r['tail'][-400:]}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        C.write_json(args.json, report)
     return 0
 
 

@@ -149,9 +149,15 @@ def leave_alone() -> None:
     connected to (Open MPI's dynamic-process disconnect spins forever where one died), so
     it leaves as the survivors do: flush, then ``os._exit`` with its status (0; what
     ``sys.exit`` gave; 1 after an uncaught exception)."""
+    status = _exit_status[0] if _exit_status is not None else 0
+    _flush_and_exit(int(status))
+
+
+def _flush_and_exit(status: int) -> None:
+    """Flush ``sys.stdout``/``sys.stderr`` and ``logging``, release the shared-memory
+    segments' names and leave through ``os._exit(status)``: never ``MPI_Finalize``."""
     import logging
     import os
-    status = _exit_status[0] if _exit_status is not None else 0
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -162,7 +168,7 @@ def leave_alone() -> None:
     except Exception:  # noqa: BLE001
         pass
     shm.release()
-    os._exit(int(status) % 256)
+    os._exit(status % 256)
 
 
 def record_exit(status: int, how: str) -> None:
@@ -378,9 +384,6 @@ def _leave_store(dead: frozenset) -> None:
 
 def _leave(ex: _Exits, status: int, how: str) -> None:
     """Fault-tolerant mode's exit (see the module docstring): never returns."""
-    import logging
-    import os
-
     from ..fault import fault_tolerance
     comm = ex.comm
     me, n = comm.Get_rank(), comm.Get_size()
@@ -400,14 +403,4 @@ def _leave(ex: _Exits, status: int, how: str) -> None:
             break  # everyone alive has left too: nobody can wait for this rank
         time.sleep(POLL_S)
     _leave_store(fault_tolerance.dead_in_world())
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - leaving anyway
-            pass
-    try:
-        logging.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
-    shm.release()
-    os._exit(status % 256)
+    _flush_and_exit(status)
