@@ -22,6 +22,15 @@ last ranks):
                  duplicate it, and under ULFM (built by name, not by MPI's allocator)
                  survivor 0's first attempt at the duplicate never returns (the others'
                  wait in MPI for it): all give it up and build it again
+``stuck_window`` (ULFM, run with ``COMMLIB_SHM=1`` and ``COMMLIB_TIMEOUT=12``) the last
+                 rank is killed at iteration 20; the survivors' first allreduce makes the
+                 shared-memory window, whose communicators (built by name after a failure)
+                 are created under that allreduce's deadline: the first attempts at the
+                 first two of them never return, on every survivor, and are given up
+                 after ``create_limit()`` (10 s) each, longer in all than the deadline;
+                 the creations postpone it (:func:`commlib.mpi.watchdog.postpone`), so the
+                 third attempt builds the node and the job finishes. ``--no-postpone``
+                 (the negative control): the deadline is not moved, the watchdog aborts
 
 Every rank writes ``OUTDIR/shm{r}.json`` (the shared-memory segments it maps) after ``init``; each
 rank that finishes writes ``OUTDIR/rank{r}.json``: its iterations, the groups it went
@@ -47,6 +56,8 @@ parser.add_argument("--iters", type=int, default=60)
 parser.add_argument("--size", type=int, default=8192)
 parser.add_argument("--no-ft", action="store_true", help="fault tolerance off (control)")
 parser.add_argument("--victim-rank", type=int, default=None, help="the (first) victim")
+parser.add_argument("--no-postpone", action="store_true",
+                    help="stuck_window: creations do not postpone the deadline (control)")
 args = parser.parse_args()
 # fault-tolerant mode from the environment, known before MPI starts (commlib.mpi.ucx_env)
 os.environ["COMMLIB_FAULT_TOLERANT"] = "0" if args.no_ft else "1"
@@ -83,7 +94,7 @@ def victim_plan() -> dict[int, tuple[int, str]]:
             "two": {last: (20, "kill"), before: (40, "kill")},
             "during": {last: (20, "kill"), before: (-1, "agreement")},
             "creating": {last: (20, "kill"), before: (-1, "creating")},
-            "stuck": {last: (20, "kill")}}[args.case]
+            "stuck": {last: (20, "kill")}, "stuck_window": {last: (20, "kill")}}[args.case]
     return plan
 
 
@@ -128,6 +139,26 @@ if args.case == "stuck" and plan is None:
         return real_create(*a)
 
     ft_backend.backend().create = stuck_create
+
+if args.case == "stuck_window" and plan is None:
+    import threading
+
+    from commlib.fault import fault_tolerance as _ft
+    from commlib.fault import ft_backend
+    creations = []
+    real_create = ft_backend.backend().create
+
+    def stuck_first_attempts(*a):  # the first attempt at the first two derived creations
+        name = a[-1]  # (f"{key}/{what}#{n}", later attempts f"...~{attempt}")
+        if "#" in name:
+            creations.append(name)
+            if "~" not in name and len([c for c in creations if "~" not in c]) <= 2:
+                threading.Event().wait()
+        return real_create(*a)
+
+    ft_backend.backend().create = stuck_first_attempts
+    if args.no_postpone:
+        _ft.postpone = lambda seconds: None
 
 group = commlib.world()
 it = 0
@@ -196,5 +227,5 @@ with open(os.path.join(args.outdir, f"rank{world_rank}.json"), "w") as f:
     watcher = ft_module.watcher()
     json.dump({"rank": world_rank, "iters": it, "groups": groups, "failures": failures,
                "polls": watcher.polls, "launcher_reads": watcher.launcher_reads,
-               "creations": len(creations) if args.case == "stuck" else None,
+               "creations": len(creations) if args.case.startswith("stuck") else None,
                "waits": dict(ft_module.COUNTS)}, f)

@@ -100,6 +100,35 @@ def test_survivors_go_on(tmp_path, case):
             {0: False, 1: True, 2: True}, found
 
 
+@pytest.mark.parametrize("postponed", [True, False], ids=["postponed", "control"])
+def test_creations_retried_inside_a_collective_postpone_its_deadline(tmp_path, postponed):
+    """Under ULFM, where every communicator made after a failure is built by name with
+    attempts that each bound themselves (``create_limit()``): the survivors' first
+    allreduce makes the shared-memory window (``COMMLIB_SHM=1``) and its communicators under
+    that allreduce's deadline (``COMMLIB_TIMEOUT=12``); the first attempts at the first two
+    never return on any survivor (10 s each, given up). The creations postpone the
+    deadline, so the third attempt builds it and every survivor finishes exact (CI once
+    saw a window's deadline end a job whose creations were still retrying). Negative
+    control (``--no-postpone``): the deadline passes during the second stuck attempt and
+    the watchdog aborts the job, no survivor finishing."""
+    if not ft_backend.backend().derive_by_create:
+        pytest.skip("communicators made after a failure are built by name only under ULFM")
+    argv = [PROGRAM, str(tmp_path), "stuck_window"] + ([] if postponed else ["--no-postpone"])
+    status, _, out, left = run_job(N, argv, OUTER_S, COMMLIB_TIMEOUT="12", COMMLIB_SHM="1")
+    assert not left and not leftover_shm(str(tmp_path)), (left, out[-2000:])
+    found = results(str(tmp_path))
+    if not postponed:
+        assert status == 70 and not found, (status, sorted(found), out[-2000:])
+        assert "shared-memory window" in out and "did not complete within 12 s" in out, \
+            out[-2000:]
+        return
+    assert status != -9 and sorted(found) == [0, 1, 2], (status, sorted(found), out[-3000:])
+    for rank, data in found.items():
+        assert data["iters"] == 60 and [g["size"] for g in data["groups"]] == [4, 3], data
+        # two first attempts given up, each built again: at least 4 creations by name
+        assert data["creations"] >= 4, data
+
+
 # How the kill ends a job without fault tolerance, per implementation (measured). The plain
 # launch: the launcher ends every rank (hydra's proxy SIGKILLs them: 9; PRRTE: 137; Intel's
 # hydra: 255). The keep-running launch: commlib's detection off, the survivors wait in their
@@ -152,18 +181,30 @@ def test_a_launch_that_cannot_survive_a_death_is_refused_at_init(tmp_path):
 
 def test_only_the_known_open_mpi_crash_gets_a_second_run(monkeypatch):
     """The second run of ``run_job_past_known_crash`` is for Open MPI's segfault inside
-    ``MPI_Comm_create_from_group`` alone: another crash, the same frames without a
-    segfault, or the same output under another MPI is judged as it is."""
+    ``MPI_Comm_create_from_group`` and its creation stalling in every attempt alone:
+    another crash, the same frames without a segfault, a stall that a later attempt got
+    past, a creation that found a peer dead, or the same output under another MPI is
+    judged as it is."""
     import types
 
     import elastic_common
     crash = ("[vm:1] *** Process received signal ***\n[vm:1] Signal: Segmentation fault (11)\n"
              "[vm:1] [13] /x/libmpi.so.40(ompi_comm_create_from_group+0x15b)[0x7f]\n")
+    stall = ("commlib.fault.helper_thread.CallTimedOut: commlib (rank 1): MPI "
+             "Comm_create_from_group of group[0, 1, 3]/node (group) did not complete within "
+             "15 s with no peer dead, attempt 3 of 3\n")
+    retried = ("commlib (rank 1): MPI Comm_create_from_group (group) did not complete within "
+               "15 s with no peer dead; building it again under a new name (attempt 3 of 3)\n")
     for key, out, named in [
             ("openmpi", crash, True),
             ("openmpi", crash.replace("ompi_comm_create_from_group", "ompi_coll_base_x"), False),
             ("openmpi", crash.replace("Segmentation fault", "Aborted"), False),
-            ("mpich", crash, False)]:
+            ("mpich", crash, False),
+            # every attempt at a creation by name stalled (the message FTComm._create raises)
+            ("openmpi", stall, True), ("mpich", stall, False),
+            # a stall the next attempt got past, or one that did not reach the last attempt
+            ("openmpi", retried, False), ("openmpi", stall.replace("3 of 3", "2 of 3"), False),
+            ("openmpi", stall.replace("no peer dead", "rank 2 dead"), False)]:
         monkeypatch.setattr(elastic_common, "mpi_impl", lambda k=key: types.SimpleNamespace(key=k))
         assert (elastic_common.known_library_crash(out) is not None) == named, (key, out)
 

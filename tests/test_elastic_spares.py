@@ -41,6 +41,7 @@ import pytest
 
 from elastic_common import (
     TRAIN_PROGRAM,
+    excerpt,
     fault_tolerant_launch,  # noqa: F401 - skips where refused
     leftover_shm,
     params,
@@ -84,8 +85,8 @@ def job(tmp_path, n: int, *argv: str, **env: str) -> tuple[int, str, dict[int, d
     status, _, out, left = run_job_past_known_crash(
         str(tmp_path), n, [TRAIN_PROGRAM, "--steps", str(STEPS), *argv], OUTER_S,
         COMMLIB_TIMEOUT="60", **env)
-    assert status != -9, f"hang (killed after {OUTER_S} s)\n{out[-3000:]}"
-    assert not left, f"processes {left} of the job were left running\n{out[-2000:]}"
+    assert status != -9, f"hang (killed after {OUTER_S} s)\n{excerpt(out)}"
+    assert not left, f"processes {left} of the job were left running\n{excerpt(out)}"
     assert not leftover_shm(str(tmp_path)), f"left {leftover_shm(str(tmp_path))} in /dev/shm"
     return status, out, results(str(tmp_path))
 
@@ -93,9 +94,9 @@ def job(tmp_path, n: int, *argv: str, **env: str) -> tuple[int, str, dict[int, d
 def check(found: dict[int, dict], trainers: list[int], reference: dict[int, dict],
           status: int, out: str, expected=KILLED, exact: bool = True) -> None:
     ok = expected.get(mpi_impl().key)
-    assert ok is None or status in ok, f"status {status}\n{out[-3000:]}"
+    assert ok is None or status in ok, f"status {status}\n{excerpt(out)}"
     assert sorted(found) == trainers, f"ranks {sorted(found)} finished, expected " \
-                                      f"{trainers} (status {status})\n{out[-3000:]}"
+                                      f"{trainers} (status {status})\n{excerpt(out)}"
     for rank, r in found.items():
         assert r["step"] == STEPS and r["size"] == 3, (rank, r["step"], r["size"])
         # every step applied exactly once, by a group of 3: the reference's ledger

@@ -68,6 +68,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base.errors import CommError
+from ..base.options import options
+from ..mpi.watchdog import postpone
 
 # Detection (the watcher thread and its detectors) is commlib.fault.failure_detection's, the
 # waits commlib.fault.waits's, the calls on a helper thread commlib.fault.helper_thread's;
@@ -174,6 +176,10 @@ class FTComm(_FTCommBase):
         for attempt in range(CREATE_ATTEMPTS):
             key = base if attempt == 0 else f"{base}~{attempt}"
             new, why = None, "was not built on every member"
+            # the collective that needs this communicator (a shared-memory window's first
+            # use builds several) is not aborted by its deadline while an attempt runs and
+            # its members agree on it: each attempt bounds itself (create_limit)
+            postpone(create_limit() + float(options.timeout))
             if group is None:  # (Split's ranks in no group: they only agree)
                 new = MPI.COMM_NULL
             else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ ABORT_GRACE_S = 1.0
 #: Called by every watchdog thread on each tick with ``(armed, now)``, after the deadlines
 #: (commlib.core.exits watches for ranks that left while this one waits for them).
 POLLERS: list[Callable[[dict, float], None]] = []
+#: Every watchdog alive (:func:`postpone`).
+_ALL: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 
 
 class Watchdog:
@@ -40,6 +43,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="commlib-watchdog", daemon=True)
         self._thread.start()
+        _ALL.add(self)
 
     def stop(self) -> None:
         self._stop.set()
@@ -66,6 +70,22 @@ class Watchdog:
             if now > deadline:
                 return (what,)
         return None
+
+
+def postpone(seconds: float) -> None:
+    """Move the calling thread's armed deadline (on every watchdog) to at least ``seconds``
+    from now; nothing where it has none. For a step inside a blocking call that bounds
+    itself and may take longer than the call's own deadline allows: the attempts of a
+    fault-tolerant communicator creation, each with its limit
+    (:func:`commlib.fault.helper_thread.create_limit`), inside the collective that needs the
+    communicator (a shared-memory window's first use builds several), which must not be
+    aborted while an attempt it would retry still runs."""
+    tid = threading.get_ident()
+    until = time.monotonic() + float(seconds)
+    for dog in list(_ALL):
+        entry = dog.armed.get(tid)
+        if entry is not None and entry[0] < until:
+            dog.armed[tid] = (until, entry[1])
 
 
 def abort_job(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
